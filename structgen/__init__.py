@@ -1,0 +1,29 @@
+"""structgen: serve open LLMs so that every answer conforms to a schema.
+
+`from structgen import LLM, SamplingParams` is the offline API. The heavy modules (torch, the engine) are
+imported on first use so that `import structgen` stays cheap for the client and the CLI's help.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from structgen.engine.llm_engine import LLM
+    from structgen.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from structgen.engine.llm_engine import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from structgen.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'structgen' has no attribute {name!r}")

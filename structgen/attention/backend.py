@@ -1,0 +1,91 @@
+"""The contract between models and attention implementations.
+
+A model never sees how keys and values are stored: each attention layer hands its new q/k/v and its slice of
+the paged KV cache to a backend, together with one `AttentionMetadata` that describes the whole flattened batch.
+The torch backend (CPU, and the reference for kernels) and the Triton backend (GPU) implement the same call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One engine step's batch, flattened: the new tokens of every sequence are concatenated.
+
+    Sequence `i` owns rows `query_start_loc[i]:query_start_loc[i+1]` of q/k/v. Those new tokens sit at positions
+    `context_lens[i] - query_len_i ... context_lens[i] - 1`; the earlier `context_lens[i] - query_len_i` tokens
+    (prefix-cache hits, earlier chunks of a chunked prefill, earlier decode steps) are already in the cache.
+    A decode step is the special case where every sequence has exactly one new token.
+
+    Cache addressing: logical token `t` of sequence `i` lives in physical block `block_tables[i, t // block_size]`
+    at offset `t % block_size`, i.e. flat slot `block * block_size + offset`.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot each new token is written to; -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's blocks are -1
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache once this step's tokens are written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of the new-token counts
+    max_query_len: int
+    max_context_len: int
+    block_size: int
+    # Host copies, so CPU backends and launch-grid sizing never force a device sync.
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_cpu))
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (key_cache, value_cache), each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+
+class AttentionBackend(ABC):
+    """Writes the new keys/values into the paged cache, then attends each new token causally to its sequence."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value at `metadata.slot_mapping` (skipping -1), then return the attention output."""
+
+
+def allocate_kv_cache(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
