@@ -4,6 +4,10 @@
 from setuptools import find_packages, setup
 
 setup(
-    packages=[*find_packages(include=["structgen", "structgen.*"]), "structgen.kernels", "structgen.grammars"],
+    packages=[
+        *find_packages(include=["structgen", "structgen.*"]),
+        "structgen.kernels",
+        "structgen.grammars",
+    ],
     package_dir={"structgen.kernels": "kernels", "structgen.grammars": "grammars"},
 )

@@ -26,8 +26,12 @@ class AttentionMetadata:
     at offset `t % block_size`, i.e. flat slot `block * block_size + offset`.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot each new token is written to; -1 = padding
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's blocks are -1
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_tokens] int64: flat cache slot each new token is written to; -1 = padding
+    block_tables: (
+        torch.Tensor
+    )  # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's blocks are -1
     context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache once this step's tokens are written
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of the new-token counts
     max_query_len: int

@@ -1,0 +1,158 @@
+"""Pure-torch paged attention: the CPU backend and the reference every kernel is tested against.
+
+Decode rows (one new token per sequence) are attended in one vectorized pass over the batch: gather each
+sequence's blocks through its block table, mask slots past its context length, attend in float32. Sequences with
+several new tokens (prefill, chunked prefill on top of a cached prefix) go one at a time through
+`scaled_dot_product_attention` with a causal mask offset by the cached prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from structgen.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if metadata.is_decode:
+            return paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_tables=metadata.block_tables,
+                context_lens=metadata.context_lens,
+                max_context_len=metadata.max_context_len,
+                scale=scale,
+            )
+        return self._mixed(query, key, value, key_cache, value_cache, metadata, scale=scale)
+
+    def _mixed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.zeros_like(query)  # rows of no sequence (padding) stay finite
+        starts, decode_seqs = [], []
+        start = 0
+        for i, query_len in enumerate(metadata.query_lens_cpu):
+            starts.append(start)
+            if query_len == 1:
+                decode_seqs.append(i)
+            start += query_len
+
+        # Sequences that are decoding inside a mixed (chunked-prefill) step still take the batched path.
+        if decode_seqs:
+            seq_index = torch.tensor(decode_seqs, device=query.device)
+            rows = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
+            out[rows] = paged_decode_attention(
+                query[rows],
+                key_cache,
+                value_cache,
+                block_tables=metadata.block_tables[seq_index],
+                context_lens=metadata.context_lens[seq_index],
+                max_context_len=max(metadata.context_lens_cpu[i] for i in decode_seqs),
+                scale=scale,
+            )
+
+        block_size = key_cache.shape[1]
+        for i, (query_len, context_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
+        ):
+            if query_len <= 1:
+                continue
+            rows = slice(starts[i], starts[i] + query_len)
+            q = query[rows].transpose(0, 1)  # [heads, q, head_dim]
+            if context_len == query_len:  # nothing cached before: attend to the fresh keys directly
+                k, v, mask = key[rows], value[rows], None
+            else:
+                num_blocks = -(-context_len // block_size)
+                blocks = metadata.block_tables[i, :num_blocks].long()
+                k = key_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+                v = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+                # New token j sits at position context_len - query_len + j and sees every position up to it.
+                query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
+                mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(0, 1).to(q.dtype),
+                v.transpose(0, 1).to(q.dtype),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = o.transpose(0, 1)
+        return out
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the new keys/values into their flat cache slots; slot -1 marks padding rows that are not stored."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    slots = slot_mapping.long()
+    padding = slots < 0
+    if bool(padding.any()):
+        keep = ~padding
+        slots, key, value = slots[keep], key[keep], value[keep]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # [num_seqs]
+    max_context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each sequence's newest token over its whole cached context, all sequences at once."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max_context_len // block_size)
+    span = num_blocks * block_size
+    # Whole blocks are gathered; unused table entries (-1) fetch block 0, and everything past a sequence's
+    # context length is masked out below.
+    tables = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+    k = key_cache.index_select(0, tables).view(num_seqs, span, num_kv_heads, head_dim).float()
+    v = value_cache.index_select(0, tables).view(num_seqs, span, num_kv_heads, head_dim).float()
+
+    # Query heads h*group .. h*group+group-1 share KV head h (HF's repeat_kv order). One bmm per KV head reads
+    # that head's keys in place (strided), which beats permuting the gathered cache into a contiguous copy.
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1)
+    scores *= scale  # [seqs, kv_heads, group, span]
+    beyond = torch.arange(span, device=query.device)[None, :] >= context_lens[:, None].to(torch.long)
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(num_kv_heads)], dim=1)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -1,0 +1,78 @@
+"""`structgen` command line. Each subcommand imports the engine lazily so `--help` answers instantly."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="smollm2-135m (default), tiny, or a local HF checkpoint directory / .gguf file",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="structgen", description="Structured-output LLM engine and server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline with the in-process engine")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the user message (or raw prompt with --raw)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--system", default=None, help="optional system message")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    return parser
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from structgen import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop,
+        )
+    except ValueError as exc:
+        print(f"structgen generate: {exc}", file=sys.stderr)
+        return 2
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    if args.raw:
+        outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        outputs = llm.chat(messages, params, use_tqdm=False)
+    completion = outputs[0].outputs[0]
+    print(completion.text)
+    print(f"[finish_reason={completion.finish_reason} tokens={len(completion.token_ids)}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    from structgen.errors import StructgenError
+
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+    except StructgenError as exc:
+        print(f"structgen {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

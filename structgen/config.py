@@ -1,0 +1,77 @@
+"""Engine configuration: what the KV cache, the scheduler and the engine as a whole are allowed to do.
+
+Every knob has a default that works on a laptop CPU; `LLM(...)` and `structgen serve` flags map onto these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    The pool holds `kv_cache_tokens // block_size` blocks when `kv_cache_tokens` is given. Otherwise it is sized
+    from memory: on CUDA, `gpu_memory_utilization` of the device minus what a profiling forward used; on CPU,
+    `cpu_kv_cache_gib` GiB (capped at what `max_num_seqs` sequences of full context could ever use).
+    """
+
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one block of {self.block_size} tokens, "
+                f"got {self.kv_cache_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerConfig:
+    """Per-step limits of the continuous-batching scheduler.
+
+    `max_num_batched_tokens` is the token budget of one forward (decodes count one token each; prefills take
+    what is left, in chunks when `enable_chunked_prefill`). `max_model_len` defaults to the model's context.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs: which model, on what device, and the cache and scheduler settings.
+
+    `model` is a registry name ("smollm2-135m", "tiny"), a local HF checkpoint directory or a GGUF file; None
+    means the embedded default. `dtype` is a name the loader knows ("float32", "bfloat16", "float16", "auto").
+    `device` None picks CUDA when available, else CPU. `seed` seeds the generator that requests without their
+    own `seed` sample from.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,211 @@
+"""`AsyncEngine`: the server's view of the engine. A background thread drives `LLMEngine.step()`; each request
+gets an async iterator of `RequestOutput`s whose `delta_text` / `delta_token_ids` carry what is new.
+
+The engine is not thread-safe, so only the step thread touches it: `generate` and `abort` post commands that the
+thread applies between steps, and outputs travel back to the event loop with `call_soon_threadsafe`. Leaving the
+iterator early (client disconnect, task cancelled, `break`) aborts the request and returns its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from structgen.engine.inputs import PromptInput
+from structgen.engine.llm_engine import LLMEngine
+from structgen.engine.outputs import RequestOutput
+from structgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# When every unfinished request waits on something outside the engine (a grammar compiling), the loop polls
+# their `ready()` this often instead of spinning.
+_IDLE_POLL_S = 0.002
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; the original exception is the `__cause__`."""
+
+
+class _Stream:
+    """One request's queue of outputs, filled from the step thread, drained on the event loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="structgen-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: Any = None) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # -- public API ------------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs, one per step that produced tokens; the last has `finished=True`.
+
+        Raises what `LLMEngine.add_request` raises (ValueError for a request that can never run) on the first
+        iteration. Closing the iterator before the end aborts the request.
+        """
+        self._check_alive()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        added: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                if request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self.engine.add_request(request_id, prompt, params, stream=True, ready=ready)
+            except BaseException as error:  # reported to the caller, not to the step loop
+                loop.call_soon_threadsafe(_resolve, added, error)
+                return
+            self._streams[request_id] = stream
+            loop.call_soon_threadsafe(_resolve, added, None)
+
+        if not self._post(add):
+            self._check_alive()
+            raise EngineDeadError("the engine's step loop is not running")
+        try:
+            await added
+        except asyncio.CancelledError:
+            self._post(lambda: self._abort(request_id, stream))
+            raise
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:  # aborted
+                    return
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine's step loop failed") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._post(lambda: self._abort(request_id, stream))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its iterator ends without a final output."""
+        self._post(lambda: self._abort(request_id))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort everything and stop the step thread (idempotent)."""
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # -- the step thread -------------------------------------------------------------------------------------------
+
+    def _post(self, command: Callable[[], None]) -> bool:
+        """Queue a command for the step thread; False when no thread will ever run it."""
+        with self._wakeup:
+            if self._dead is not None or not self._thread.is_alive():
+                return False
+            self._commands.append(command)
+            self._wakeup.notify()
+            return True
+
+    def _abort(self, request_id: str, stream: _Stream | None = None) -> None:
+        """Abort `request_id` (only if it still belongs to `stream`, when given) and end its iterator."""
+        current = self._streams.get(request_id)
+        if current is None or (stream is not None and current is not stream):
+            return
+        self.engine.abort(request_id)
+        del self._streams[request_id]
+        current.put(None)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._stopped and not self._commands and not engine.has_unfinished():
+                        self._wakeup.wait()
+                    if self._stopped:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command()
+                if not engine.has_unfinished():
+                    continue
+                for output in engine.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is None:
+                        continue
+                    if output.finished:
+                        del self._streams[output.request_id]
+                    stream.put(output)
+                if engine.last_step_num_tokens == 0:  # everyone waits on a grammar: poll, don't spin
+                    with self._wakeup:
+                        if not self._commands and not self._stopped:
+                            self._wakeup.wait(_IDLE_POLL_S)
+        except BaseException as error:
+            logger.exception("engine step loop failed")
+            self._dead = error
+            for stream in self._streams.values():
+                stream.put(error)
+            self._streams.clear()
+            return
+        # Shut down: requests added at the last moment are registered, then everything is aborted.
+        with self._wakeup:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            command()
+        for request_id in list(self._streams):
+            self._abort(request_id)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine's step loop failed") from self._dead
+        if self._stopped:
+            raise EngineDeadError("the engine was shut down")
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,404 @@
+"""`LLMEngine`: requests in, one batched step at a time, outputs back. `LLM` (offline batches) sits on top.
+
+A step is: schedule (who runs, how many tokens each) → one forward over the flattened batch → sample → append
+tokens and check stops → return blocks of finished sequences → outputs. Everything runs in the caller's thread;
+`AsyncEngine` drives `step()` from a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+from structgen.engine.block_manager import BlockManager
+from structgen.engine.inputs import PromptInput, resolve_max_tokens, tokenize_prompt
+from structgen.engine.metrics import EngineCounters, EngineStats
+from structgen.engine.model_runner import LogitsProcessor, ModelRunner
+from structgen.engine.output_processor import OutputProcessor
+from structgen.engine.outputs import RequestOutput
+from structgen.engine.progress import progress_bar
+from structgen.engine.sampler import Sampler, make_generator
+from structgen.engine.scheduler import Scheduler, SchedulerOutput
+from structgen.engine.sequence import Request, Sequence, SequenceStatus
+from structgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from structgen.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model: nn.Module | None = None,
+        tokenizer: Tokenizer | None = None,
+        model_dir: str | Path | None = None,
+    ) -> None:
+        """Load the model named by `config.model` (or use the given `model` + `tokenizer`, which must come from
+        `model_dir`: tests share one loaded model between engines), size and allocate the KV cache."""
+        self.config = config = config if config is not None else EngineConfig()
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if model is None or tokenizer is None:
+            from structgen.models.loader import load_model
+            from structgen.models.registry import resolve_model
+            from structgen.tokenizer import Tokenizer
+
+            model_dir = resolve_model(config.model)
+            model = load_model(model_dir, dtype=config.dtype, device=self.device)
+            tokenizer = Tokenizer.from_dir(model_dir)
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.model = model
+        self.tokenizer = tokenizer
+        model_config = model.config  # type: ignore[attr-defined]
+        self.vocab_size: int = model_config.vocab_size
+        self.max_model_len = self._max_model_len(model_config.max_position_embeddings)
+        sched_config = config.scheduler
+        if (
+            not sched_config.enable_chunked_prefill
+            and sched_config.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"without chunked prefill a whole sequence must fit one step: max_num_batched_tokens "
+                f"({sched_config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        dtype = next(model.parameters()).dtype
+
+        block_size = config.cache.block_size
+        self.runner = ModelRunner(
+            model,
+            device=self.device,
+            dtype=dtype,
+            block_size=block_size,
+            eos_token_ids=self.eos_token_ids,
+            num_valid_tokens=min(tokenizer.vocab_size, self.vocab_size),
+            sampler=Sampler(generator=make_generator(config.seed, self.device)),
+        )
+        num_blocks = self.runner.num_blocks_for(config.cache, sched_config, max_model_len=self.max_model_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        salt = f"{self.model_dir or id(model)}:{dtype}"
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt
+        )
+        self.scheduler = Scheduler(sched_config, self.block_manager, fork_generator=self._fork_generator)
+        self.output_processor = OutputProcessor(
+            tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        )
+        # The structured-output layer installs its batched bitmask here.
+        self.logits_processor: LogitsProcessor | None = None
+        self.counters = EngineCounters()
+        self.last_step_num_tokens = 0
+        self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            self.model_dir or type(model).__name__,
+            self.device,
+            dtype,
+            num_blocks,
+            block_size,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, model_limit: int) -> int:
+        wanted = self.config.scheduler.max_model_len
+        if wanted is None:
+            return model_limit
+        if wanted > model_limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's context of {model_limit} tokens")
+        return wanted
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt + output) the engine can ever hold: model context and whole cache."""
+        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        stream: bool = True,
+        ready: Callable[[], bool] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. `stream=False`: `step()` reports it only when finished. `ready`: the request waits
+        (`WAITING_FOR_GRAMMAR`) until `ready()` is true, without holding up others.
+
+        Raises ValueError for a duplicate id, an empty or out-of-vocabulary prompt, or a request that can never
+        fit (prompt + max_tokens beyond the model context or the whole KV cache).
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size)
+        max_tokens = resolve_max_tokens(
+            len(token_ids),
+            params.max_tokens,
+            max_model_len=self.max_model_len,
+            num_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+        )
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
+        request = Request(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time)
+        seq = Sequence(
+            next(self._seq_ids),
+            token_ids,
+            request_id=request_id,
+            params=params,
+            max_tokens=max_tokens,
+            generator=make_generator(params.seed, self.device) if params.seed is not None else None,
+            ready=ready,
+            num_forks=params.n - 1,
+        )
+        self.output_processor.start(seq)
+        request.seqs.append(seq)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests now and return their blocks. Unknown (or already finished) ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self._requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            request.metrics.finished_time = time.monotonic()
+            self.counters.num_requests_aborted += 1
+        self.scheduler.drop_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # -- the step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch. Returns the outputs of requests that progressed (streaming ones) or finished."""
+        batch = self.scheduler.schedule()
+        self.last_step_num_tokens = batch.num_batched_tokens
+        if batch.is_empty:
+            return []
+        self._note_scheduled(batch)
+        sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor)
+        self.scheduler.update(batch)
+        self.counters.num_steps += 1
+        for child in batch.forked:
+            self.output_processor.start(child)
+            self._requests[child.request_id].seqs.append(child)
+
+        sample_seqs = batch.sample_seqs
+        if failed:
+            # The sampler found no possible token for these rows (e.g. a mask that allows nothing): abort them.
+            for i in failed:
+                logger.warning("aborting %s: no token could be sampled", sample_seqs[i])
+                self.scheduler.finish(sample_seqs[i], SequenceStatus.FINISHED_ABORTED)
+            failed_rows = set(failed)
+            keep = [i for i in range(len(sample_seqs)) if i not in failed_rows]
+            sample_seqs = [sample_seqs[i] for i in keep]
+            sampled.token_ids = [sampled.token_ids[i] for i in keep]
+            if sampled.logprobs is not None:
+                sampled.logprobs = [sampled.logprobs[i] for i in keep]
+            if sampled.top_logprobs is not None:
+                sampled.top_logprobs = [sampled.top_logprobs[i] for i in keep]
+        self.counters.num_generated_tokens += len(sample_seqs)
+        for seq, status in self.output_processor.process(sample_seqs, sampled, self._requests):
+            self.scheduler.finish(seq, status)
+
+        outputs = []
+        now = time.monotonic()
+        seen: set[str] = set()
+        for seq in batch.sample_seqs:
+            request = self._requests.get(seq.request_id)
+            if request is None or seq.request_id in seen:
+                continue
+            seen.add(seq.request_id)
+            finished = request.finished
+            if finished:
+                request.metrics.finished_time = now
+                self.counters.num_requests_finished += 1
+                self.counters.finished_requests.append(request.metrics)
+                del self._requests[seq.request_id]
+            if finished or request.stream:
+                outputs.append(self.output_processor.make_output(request))
+        self.scheduler.drop_finished()
+        return outputs
+
+    def _note_scheduled(self, batch: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for seq in batch.newly_scheduled:
+            metrics = self._requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = seq.num_computed_tokens
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            # A decode is one token right after the last sampled one; everything else is (re)prefill.
+            if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq) - 1):
+                self.counters.num_prompt_tokens_computed += num_new
+
+    def _fork_generator(self, seq: Sequence, index: int) -> torch.Generator | None:
+        seed = seq.params.seed if seq.params is not None else None
+        # Sample i of a seeded request draws from seed + i, as vLLM derives it.
+        return make_generator(seed + index, self.device) if seed is not None else None
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm, sched, c = self.block_manager, self.scheduler, self.counters
+        num_grammar = sched.num_waiting_for_grammar
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) - num_grammar,
+            num_waiting_for_grammar=num_grammar,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_block_size=bm.block_size,
+            num_steps=c.num_steps,
+            num_prompt_tokens_computed=c.num_prompt_tokens_computed,
+            num_generated_tokens=c.num_generated_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_requests_finished=c.num_requests_finished,
+            num_requests_aborted=c.num_requests_aborted,
+            prefix_cache_queried_tokens=bm.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
+            prefix_cache_evictions=bm.num_evictions,
+        )
+
+
+class LLM:
+    """Offline batch generation, vLLM-style: `LLM(model="tiny").generate(prompts, SamplingParams(...))`."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        seed: int = 0,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_tokens=kv_cache_tokens,
+                gpu_memory_utilization=gpu_memory_utilization,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One finished `RequestOutput` per prompt, in input order. `params` is shared or one per prompt.
+
+        `use_tqdm` shows a progress bar (default: for 8+ prompts when stderr is a terminal).
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[PromptInput] = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, list):
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
+            param_list = params
+        else:
+            param_list = [params if params is not None else SamplingParams()] * len(prompt_list)
+        return self._run(prompt_list, param_list, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            )
+            token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptInput], params: list[SamplingParams], *, use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(request_id, prompt, p, stream=False)
+        except Exception:
+            engine.abort(ids)
+            raise
+        if use_tqdm is None:
+            use_tqdm = len(prompts) >= 8 and sys.stderr.isatty()
+        results: dict[str, RequestOutput] = {}
+        with progress_bar(len(prompts), enabled=use_tqdm) as advance:
+            try:
+                while len(results) < len(ids):
+                    for out in engine.step():
+                        results[out.request_id] = out
+                        advance(sum(len(o.token_ids) for o in out.outputs))
+            except BaseException:
+                engine.abort(ids)
+                raise
+        return [results[request_id] for request_id in ids]

@@ -1,0 +1,96 @@
+"""Counters and timings the engine keeps about itself; the server exports them (Prometheus) later.
+
+`EngineStats` is a snapshot built on demand (`LLMEngine.stats()`): gauges read from the scheduler and the block
+manager, counters accumulated since start. `RequestMetrics` follows one request from arrival to finish.
+All times are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_output_tokens: int = 0  # over all `n` samples
+    max_sample_tokens: int = 0  # of the longest sample: the stream TPOT is measured on
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first sampled token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None until a second token exists)."""
+        if self.first_token_time is None or self.last_token_time is None or self.max_sample_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.max_sample_tokens - 1)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counters the engine updates as it steps (preemptions and prefix-cache counts live in the
+    scheduler and the block manager, where they happen)."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prefill tokens run through the model (cache hits excluded)
+    num_generated_tokens: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    # The most recent finished requests, for latency histograms and tests; bounded so a server never grows.
+    finished_requests: deque[RequestMetrics] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A point-in-time view of the engine."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_grammar: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_block_size: int
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_requests_finished: int
+    num_requests_aborted: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_evictions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queried_tokens:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens

@@ -1,0 +1,53 @@
+"""What the engine hands back: one `RequestOutput` per request, one `CompletionOutput` per sample (vLLM's shape).
+
+Fields are cumulative (`text`, `token_ids` so far); `delta_text` / `delta_token_ids` hold what is new since the
+previous output of the same request, which is what a stream sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from structgen.engine.metrics import RequestMetrics
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The log-probability of one sampled token, and the `logprobs` most likely alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # What stopped it: the stop string or stop token id; None for EOS, length, or still running.
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None  # only when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def __repr__(self) -> str:
+        texts = [(o.index, o.text, o.finish_reason) for o in self.outputs]
+        return f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, outputs={texts})"

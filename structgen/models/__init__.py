@@ -1,0 +1,1 @@
+"""Model families (Llama, Mistral, Qwen2, Qwen3), their config, and checkpoint loading."""

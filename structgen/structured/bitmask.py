@@ -1,0 +1,109 @@
+"""The batch token bitmask: one int32 row per sequence, 32 tokens a word (bit `i % 32` of word `i // 32` set
+means token `i` is allowed), covering the model's padded vocabulary. This is the layout llguidance,
+xgrammar and outlines-core all write, so backends fill rows in place without conversion.
+
+`apply_token_bitmask_` is the pure-torch reference the Triton kernel will replace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row for `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(batch_size: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """A CPU bitmask of `batch_size` rows with every token allowed; backends overwrite the rows they own.
+
+    `pin_memory` speeds the host→GPU copy of each step's mask when logits live on a GPU.
+    """
+    if batch_size < 0 or vocab_size <= 0:
+        raise ValueError(f"bad bitmask shape: batch_size={batch_size}, vocab_size={vocab_size}")
+    mask = torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    return mask.pin_memory() if pin_memory else mask
+
+
+def fill_allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Overwrite `row` so that exactly `token_ids` are allowed (used once a grammar has ended: EOS only)."""
+    bitmask[row].zero_()
+    allow_tokens(bitmask, row, token_ids)
+
+
+def allow_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Set the bits of `token_ids` in `row`, leaving the others as they are."""
+    words = bitmask.shape[1]
+    for t in token_ids:
+        word, bit = divmod(int(t), 32)
+        if word >= words:
+            raise ValueError(f"token id {t} lies outside a bitmask of {words * 32} tokens")
+        # Bit 31 is the int32 sign bit: build the word with Python ints and wrap to two's complement.
+        value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def unpack_bitmask(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool tensor `[vocab_size]`: which tokens one bitmask row allows (tests, debugging, jump-forward)."""
+    bits = (bitmask_row.unsqueeze(-1) >> _shifts(bitmask_row.device)) & 1
+    allowed = bits.reshape(-1).bool()
+    if allowed.numel() < vocab_size:
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab_size - allowed.numel())])
+    return allowed[:vocab_size]
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    rows: Sequence[int] | torch.Tensor | None = None,
+) -> None:
+    """Set to -inf, in place, every logit whose bit is 0.
+
+    `bitmask[i]` is the mask of `logits[i]` (the bitmask may have more rows than the batch). `rows` limits
+    the work to the constrained rows; the others are left untouched and cost nothing. Logit columns beyond
+    the bitmask's `32 * width` tokens are masked too: a mask never lets an unknown token through.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2:
+        raise ValueError(
+            f"logits and bitmask must be 2-D, got {tuple(logits.shape)} and {tuple(bitmask.shape)}"
+        )
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+    batch, vocab = logits.shape
+    if bitmask.shape[0] < batch and rows is None:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows")
+    if rows is None:
+        index = None
+        masks = bitmask[:batch]
+    else:
+        index = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
+        if index.numel() == 0:
+            return
+        if int(index.max()) >= min(batch, bitmask.shape[0]) or int(index.min()) < 0:
+            raise ValueError(
+                f"rows {index.tolist()} out of range for {batch} logits / {bitmask.shape[0]} mask rows"
+            )
+        masks = bitmask.index_select(0, index.to(bitmask.device))
+    if masks.device != logits.device:
+        masks = masks.to(logits.device, non_blocking=True)
+    covered = min(vocab, masks.shape[1] * 32)
+    bits = (masks.unsqueeze(-1) >> _shifts(masks.device)) & 1
+    forbidden = bits.reshape(masks.shape[0], -1)[:, :covered] == 0
+    target = logits if index is None else logits.index_select(0, index)
+    target[:, :covered].masked_fill_(forbidden, float("-inf"))
+    if covered < vocab:
+        target[:, covered:] = float("-inf")
+    if index is not None:
+        logits.index_copy_(0, index, target)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS_CACHE.get(device)
+    if shifts is None:
+        shifts = _SHIFTS_CACHE[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts

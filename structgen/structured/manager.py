@@ -1,0 +1,214 @@
+"""Compilation off the hot path and the per-step batch mask.
+
+`submit(spec)` returns at once with a future (the engine parks the request in WAITING_FOR_GRAMMAR and
+polls `done()`); compiles run on a thread pool (the libraries release the GIL), results land in an LRU
+cache keyed by (backend choice, canonical spec, options, tokenizer id), concurrent requests for the same
+spec share one compile, and a compile that outlives the time limit fails its future with a clear error.
+`fill_bitmask_async` fills the rows of a step's constrained requests on a worker thread while the model
+forward runs; each backend fills its rows in one native batched call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBackend, create_backend
+from structgen.structured.bitmask import allocate_token_bitmask
+from structgen.structured.errors import CompileTimeoutError, StructuredOutputError
+from structgen.structured.select import AUTO_ORDER, CompiledSpec, compile_spec
+from structgen.structured.spec import StructuredSpec
+from structgen.structured.tokenizer_info import TokenizerInfo
+
+CacheKey = tuple[str, tuple[str, str, str, str, int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputConfig:
+    """Engine-level settings of the structured-output layer (`--structured-backend` etc.)."""
+
+    backend: str = "auto"  # auto | llguidance | xgrammar | outlines
+    compile_timeout_s: float = 30.0
+    compile_workers: int = 4
+    cache_size: int = 512
+    max_validation_retries: int = 3
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"structured backend must be auto or one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}"
+            )
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
+        if self.compile_workers < 1 or self.cache_size < 1 or self.max_validation_retries < 0:
+            raise ValueError("compile_workers and cache_size must be >= 1, max_validation_retries >= 0")
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    failures: int = 0
+    timeouts: int = 0
+
+
+class StructuredOutputManager:
+    """One per engine (tokenizer). `backends` may pass prebuilt backends for this tokenizer (they take
+    seconds to build, reading the whole vocabulary); the others are built on first use."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerInfo,
+        config: StructuredOutputConfig | None = None,
+        *,
+        backends: Mapping[str, StructuredBackend] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.config = config or StructuredOutputConfig()
+        self.stats = CacheStats()
+        self._order = AUTO_ORDER if self.config.backend == "auto" else (self.config.backend,)
+        self._backends: dict[str, StructuredBackend] = {}
+        for name, backend in (backends or {}).items():
+            if backend.tokenizer.tokenizer_id != tokenizer.tokenizer_id:
+                raise ValueError(f"backend {name!r} was built for another tokenizer")
+            self._backends[name] = backend
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[CacheKey, Future[CompiledSpec]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compile_pool = ThreadPoolExecutor(
+            self.config.compile_workers, thread_name_prefix="structgen-compile"
+        )
+        # One thread suffices: each backend's batched fill runs on the library's own native threads.
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="structgen-mask")
+
+    # -- compilation ---------------------------------------------------------------------------------
+
+    def backend(self, name: str) -> StructuredBackend:
+        """The backend instance for `name`, built on first use (building reads the whole vocabulary)."""
+        with self._backend_lock:
+            if name not in self._backends:
+                self._backends[name] = create_backend(name, self.tokenizer)
+            return self._backends[name]
+
+    def cache_key(self, spec: StructuredSpec) -> CacheKey:
+        return (self.config.backend, spec.key, self.tokenizer.tokenizer_id)
+
+    def submit(self, spec: StructuredSpec) -> Future[CompiledSpec]:
+        """A future of the compiled spec; done immediately on a cache hit. Never blocks on compiling."""
+        key = self.cache_key(spec)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.stats.hits += 1
+                return cached
+            self.stats.misses += 1
+            outer: Future[CompiledSpec] = Future()
+            self._insert(key, outer)
+        limit = self.config.compile_timeout_s
+        timer = threading.Timer(limit, self._expire, args=(key, outer, spec))
+        timer.daemon = True
+        inner = self._compile_pool.submit(self._compile, spec, limit)
+        inner.add_done_callback(lambda f: self._finish(key, outer, f, timer))
+        timer.start()
+        return outer
+
+    def compile(self, spec: StructuredSpec) -> CompiledSpec:
+        """Blocking `submit(spec).result()`."""
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredSpec, limit: float) -> CompiledSpec:
+        backends = [self.backend(name) for name in self._order]
+        return compile_spec(spec, backends, time_limit_s=limit)
+
+    def _finish(
+        self, key: CacheKey, outer: Future[CompiledSpec], inner: Future[CompiledSpec], timer: threading.Timer
+    ) -> None:
+        timer.cancel()
+        error = inner.exception()
+        with self._lock:
+            if error is None:
+                self.stats.compiles += 1
+            else:
+                self.stats.failures += 1
+                if isinstance(error, CompileTimeoutError):
+                    self.stats.timeouts += 1
+            if outer.done():
+                # Timed out already; a late success still serves the next request for this spec.
+                if error is None and key not in self._cache:
+                    late: Future[CompiledSpec] = Future()
+                    late.set_result(inner.result())
+                    self._insert(key, late)
+                return
+            if isinstance(error, CompileTimeoutError):
+                self._cache.pop(key, None)
+        if error is None:
+            _resolve(outer, result=inner.result())
+        elif isinstance(error, StructuredOutputError):
+            _resolve(outer, error=error)
+        else:
+            _resolve(outer, error=StructuredOutputError(f"compiling the grammar failed: {error!r}"))
+
+    def _expire(self, key: CacheKey, outer: Future[CompiledSpec], spec: StructuredSpec) -> None:
+        with self._lock:
+            if outer.done():
+                return
+            self.stats.timeouts += 1
+            if self._cache.get(key) is outer:
+                del self._cache[key]
+        _resolve(outer, error=CompileTimeoutError(self.config.compile_timeout_s, spec.describe()))
+
+    def _insert(self, key: CacheKey, future: Future[CompiledSpec]) -> None:
+        self._cache[key] = future
+        while len(self._cache) > self.config.cache_size:
+            self._cache.popitem(last=False)
+
+    def cache_len(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    # -- per-step masks ------------------------------------------------------------------------------
+
+    def allocate_bitmask(self, max_batch_size: int, *, pin_memory: bool = False) -> torch.Tensor:
+        return allocate_token_bitmask(max_batch_size, self.tokenizer.vocab_size, pin_memory=pin_memory)
+
+    def fill_bitmask(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
+        """Fill `bitmask[row]` for each (grammar, row); rows not listed are left as they are."""
+        if not items:
+            return
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        groups: dict[int, tuple[StructuredBackend, list[tuple[Grammar, int]]]] = {}
+        for grammar, row in items:
+            backend = grammar.backend
+            groups.setdefault(id(backend), (backend, []))[1].append((grammar, row))
+        for backend, group in groups.values():
+            backend.fill_bitmask_batch(group, bitmask)
+
+    def fill_bitmask_async(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> Future[None]:
+        """`fill_bitmask` on the mask thread, to overlap with the model forward; wait on the future before
+        applying the mask."""
+        return self._fill_pool.submit(self.fill_bitmask, list(items), bitmask)
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _resolve(
+    future: Future[CompiledSpec], *, result: CompiledSpec | None = None, error: BaseException | None = None
+) -> None:
+    """Settle a future unless the timer or the compile settled it first (the first outcome stands)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:
+        pass

@@ -1,0 +1,152 @@
+"""What the engine holds per structured request, and the batch logits processor it installs.
+
+`StructuredRequest` follows one request: the compile future (`ready` is what the scheduler polls while the
+request waits in WAITING_FOR_GRAMMAR), then its grammar; sampled tokens go through `accept` (a rejected
+token raises: the mask and the matcher disagree, a bug that must not pass silently), forced tokens come from
+`jump_forward`, and the finished text gets `validate`d, with `should_retry` telling a relaxed request
+to sample again. `StructuredLogitsProcessor` is the engine's `logits_processor(logits, seqs)`: it fills the
+rows of the constrained sequences (started early with `prepare`, so the fill overlaps the model forward)
+and masks only those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from structgen.structured.backend import Grammar
+from structgen.structured.bitmask import apply_token_bitmask_
+from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
+from structgen.structured.manager import StructuredOutputManager
+from structgen.structured.select import CompiledSpec
+from structgen.structured.spec import StructuredOutputsParams
+from structgen.structured.validate import ValidationResult, validate_output
+
+
+class StructuredRequest:
+    def __init__(self, manager: StructuredOutputManager, params: StructuredOutputsParams):
+        self.params = params
+        self.spec = params.to_spec()
+        self.future: Future[CompiledSpec] = manager.submit(self.spec)
+        self.max_retries = manager.config.max_validation_retries
+        self.compiled: CompiledSpec | None = None
+        self.grammar: Grammar | None = None
+        self.retries = 0
+        self.num_forced_tokens = 0
+        self.validation: ValidationResult | None = None
+
+    def ready(self) -> bool:
+        """The compile finished (successfully or not): the scheduler may call `start`."""
+        return self.future.done()
+
+    def start(self) -> Grammar:
+        """The request's grammar; raises the compile error (UnsupportedSchemaError, CompileTimeoutError...)."""
+        if self.grammar is None:
+            self.compiled = self.future.result()
+            self.grammar = self.compiled.new_grammar()
+        return self.grammar
+
+    def accept(self, token_ids: Sequence[int]) -> None:
+        grammar = self.start()
+        if not grammar.accept_tokens(token_ids):
+            raise GrammarRejectedTokenError(
+                f"the {self.compiled.backend if self.compiled else '?'} grammar rejected sampled tokens "
+                f"{list(token_ids)} although the mask allowed them"
+            )
+
+    def jump_forward(self) -> list[int]:
+        """Forced tokens, already accepted by the grammar: append them to the sequence without sampling."""
+        grammar = self.start()
+        forced = grammar.find_jump_forward()
+        if forced:
+            self.accept(forced)
+            self.num_forced_tokens += len(forced)
+        return forced
+
+    def is_terminated(self) -> bool:
+        return self.grammar is not None and self.grammar.is_terminated()
+
+    def validate(self, text: str) -> ValidationResult:
+        """Check the finished output against what was asked (the original schema, before any rewrite)."""
+        self.validation = validate_output(self.spec, text)
+        return self.validation
+
+    def should_retry(self) -> bool:
+        """An output of a relaxed grammar failed validation and retries remain: sample again (new seed)."""
+        return (
+            self.compiled is not None
+            and self.compiled.needs_validation
+            and self.validation is not None
+            and not self.validation.valid
+            and self.retries < self.max_retries
+        )
+
+    def restart(self) -> None:
+        """Start a retry from the initial grammar state."""
+        if self.grammar is None:
+            raise StructuredOutputError("restart before start")
+        self.retries += 1
+        self.grammar.reset()
+        self.validation = None
+
+    def failed_strict(self) -> bool:
+        """Strict requests fail, instead of returning a flagged output, when the final output is invalid."""
+        return self.params.strict and self.validation is not None and not self.validation.valid
+
+    def report(self) -> dict[str, Any]:
+        """How this request was served, for metrics and the output."""
+        c = self.compiled
+        return {
+            "backend": c.backend if c else None,
+            "path": c.serving_path if c else None,
+            "changes": [f"{ch.kind} {ch.keyword} at {ch.path}" for ch in c.changes] if c else [],
+            "retries": self.retries,
+            "forced_tokens": self.num_forced_tokens,
+            "valid": None if self.validation is None else self.validation.valid,
+            "error": None if self.validation is None else self.validation.error,
+        }
+
+
+class StructuredLogitsProcessor:
+    """`logits_processor(logits, seqs)` for the engine: masks the rows whose sequence has a grammar."""
+
+    def __init__(self, manager: StructuredOutputManager, grammar_of: Callable[[Any], Grammar | None]):
+        self.manager = manager
+        self.grammar_of = grammar_of
+        self._bitmask = manager.allocate_bitmask(64)
+        self._pending: tuple[list[int], Future[None]] | None = None
+
+    def prepare(self, seqs: Sequence[Any]) -> None:
+        """Start filling this step's rows on the mask thread (call before the model forward)."""
+        items = self._items(seqs)
+        future = self.manager.fill_bitmask_async(items, self._bitmask) if items else None
+        self._pending = ([row for _, row in items], future) if future is not None else ([], _done())
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> None:
+        if self._pending is None:
+            self.prepare(seqs)
+        assert self._pending is not None
+        rows, future = self._pending
+        self._pending = None
+        future.result()
+        if rows:
+            apply_token_bitmask_(logits, self._bitmask, rows=rows)
+
+    def _items(self, seqs: Sequence[Any]) -> list[tuple[Grammar, int]]:
+        if len(seqs) > self._bitmask.shape[0]:
+            self._bitmask = self.manager.allocate_bitmask(2 * len(seqs))
+        items = []
+        for row, seq in enumerate(seqs):
+            grammar = self.grammar_of(seq)
+            if grammar is not None:
+                items.append((grammar, row))
+        return items
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future

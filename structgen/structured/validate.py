@@ -1,0 +1,95 @@
+"""Post-validation of finished outputs: JSON outputs against the original schema with `jsonschema` (format
+checking on), regex outputs by full match, choices by membership. The result is attached to each output, so
+the server and the CLI can report it; an output that fails is never presented as valid."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from jsonschema import exceptions as js_exceptions
+
+from structgen.structured.formats import format_checker
+from structgen.structured.normalize import detect_draft
+from structgen.structured.spec import StructuredSpec, canonical_json
+
+FORMAT_CHECKER = format_checker()
+_VALIDATORS: dict[str, type[Any]] = {
+    "draft4": jsonschema.Draft4Validator,
+    "draft6": jsonschema.Draft6Validator,
+    "draft7": jsonschema.Draft7Validator,
+    "draft2019-09": jsonschema.Draft201909Validator,
+    "draft2020-12": jsonschema.Draft202012Validator,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationResult:
+    """`valid` with, on failure, the first error: message, failing keyword, and JSON pointer in the output.
+    `checked` is False when no independent check exists (a grammar spec; a regex Python cannot read)."""
+
+    valid: bool
+    error: str | None = None
+    keyword: str | None = None
+    path: str | None = None
+    checked: bool = True
+
+
+def validate_output(spec: StructuredSpec, text: str, *, schema: Any = None) -> ValidationResult:
+    """Validate a finished output against what the request asked for (`schema` overrides the spec's)."""
+    if spec.kind in ("json_schema", "json_object"):
+        return validate_json(text, spec.schema() if schema is None else schema)
+    if spec.kind == "choice":
+        if text in spec.choices():
+            return ValidationResult(True)
+        return ValidationResult(False, f"{text!r} is not one of the choices", keyword="choice")
+    if spec.kind == "regex":
+        try:
+            pattern = re.compile(spec.text)
+        except re.error:
+            return ValidationResult(True, checked=False)
+        if pattern.fullmatch(text):
+            return ValidationResult(True)
+        return ValidationResult(
+            False, f"output does not fully match the regex {spec.text!r}", keyword="pattern"
+        )
+    return ValidationResult(True, checked=False)
+
+
+def validate_json(text: str, schema: Any) -> ValidationResult:
+    try:
+        instance = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        return ValidationResult(False, f"output is not valid JSON: {e}", keyword="json")
+    return validate_instance(instance, schema)
+
+
+def validate_instance(instance: Any, schema: Any) -> ValidationResult:
+    try:
+        validator = _validator(canonical_json(schema))
+        error = js_exceptions.best_match(validator.iter_errors(instance))
+    except Exception as e:
+        # An unresolvable $ref, a regex Python cannot read, a recursion limit: not checked is not valid.
+        return ValidationResult(
+            False, f"schema cannot be checked: {type(e).__name__}: {_one_line(e)}", keyword="schema"
+        )
+    if error is None:
+        return ValidationResult(True)
+    path = "".join(f"/{p}" for p in error.absolute_path) or "/"
+    return ValidationResult(False, _one_line(error.message), keyword=str(error.validator), path=path)
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema_json: str) -> Any:
+    schema = json.loads(schema_json)
+    cls = _VALIDATORS[detect_draft(schema)]
+    return cls(schema, format_checker=FORMAT_CHECKER)
+
+
+def _one_line(e: object) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,53 @@
+"""The offline `LLM` API: prompt forms, order of results, per-prompt params, chat, the progress bar."""
+
+from __future__ import annotations
+
+import pytest
+
+from structgen import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", device="cpu", kv_cache_tokens=4096, max_num_seqs=8)
+
+
+def test_generate_forms_and_order(llm: LLM) -> None:
+    prompts = ["The capital of France is", "1, 2, 3,", "Hello"]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.prompt for o in outs] == prompts
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    tokenizer = llm.get_tokenizer()
+    for out in outs:
+        assert out.prompt_token_ids == tokenizer.encode(out.prompt)
+        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids)
+    # The same prompts alone, as token ids, and as a single string give the same tokens.
+    alone = llm.generate(prompts[1], GREEDY)[0]
+    by_ids = llm.generate({"prompt_token_ids": outs[1].prompt_token_ids}, GREEDY)[0]
+    assert alone.outputs[0].token_ids == by_ids.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert by_ids.prompt is None
+
+
+def test_per_prompt_params(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 7, 4)]
+    outs = llm.generate(["a", "b", "c"], params, use_tqdm=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 7, 4]
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], params[:2])
+
+
+def test_rejected_prompt_leaves_nothing_behind(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="model context"):
+        llm.generate(["fine", "too long"], [GREEDY, SamplingParams(max_tokens=10**6)])
+    assert not llm.engine.has_unfinished()
+
+
+def test_chat(llm: LLM) -> None:
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    single = llm.chat(conversation, GREEDY)
+    batch = llm.chat([conversation, [{"role": "user", "content": "Bye"}]], GREEDY)
+    assert len(single) == 1 and len(batch) == 2
+    assert single[0].prompt is not None and "<|im_start|>assistant" in single[0].prompt
+    assert single[0].outputs[0].token_ids == batch[0].outputs[0].token_ids

@@ -1,0 +1,103 @@
+"""The per-request state the engine holds, and the batch logits processor: a mixed batch (constrained rows on
+different backends, unconstrained rows) leaves the unconstrained rows bit-identical."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from structured_helpers import allowed_tokens
+
+from structgen.structured import (
+    GrammarRejectedTokenError,
+    StructuredOutputManager,
+    StructuredOutputsParams,
+    UnsupportedSchemaError,
+)
+from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
+
+
+@pytest.fixture()
+def manager(info, backends):
+    m = StructuredOutputManager(info, backends={n: backends[n] for n in ("llguidance", "xgrammar")})
+    yield m
+    m.shutdown()
+
+
+def test_request_lifecycle(manager, encode, tiny_tokenizer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    req = StructuredRequest(manager, StructuredOutputsParams(json=schema))
+    req.future.result(timeout=60)
+    assert req.ready()
+    req.accept(encode("{"))
+    forced = req.jump_forward()
+    assert forced and req.num_forced_tokens == len(forced)
+    with pytest.raises(GrammarRejectedTokenError, match="rejected sampled tokens"):
+        req.accept(encode("}"))
+    req.accept(encode('"name":"Bo"}'[len(tiny_tokenizer.decode(forced)) :]))
+    assert req.is_terminated()
+    assert req.validate('{"name":"Bo"}').valid and not req.should_retry()
+    report = req.report()
+    assert report["backend"] == "llguidance" and report["path"] == "exact" and report["valid"] is True
+
+
+def test_relaxed_request_retries_then_flags(manager, encode) -> None:
+    req = StructuredRequest(
+        manager, StructuredOutputsParams(json={"type": "array", "uniqueItems": True}, strict=True)
+    )
+    req.start()
+    assert req.compiled is not None and req.compiled.needs_validation
+    for _ in range(manager.config.max_validation_retries + 1):
+        req.accept(encode("[1,1]"))
+        assert not req.validate("[1,1]").valid
+        if not req.should_retry():
+            break
+        req.restart()
+    assert req.retries == manager.config.max_validation_retries
+    assert req.failed_strict()  # strict: the request fails rather than return an invalid output
+    assert req.report()["path"] == "relaxed" and "relax uniqueItems at #" in req.report()["changes"]
+
+
+def test_compile_errors_surface_on_start(manager) -> None:
+    req = StructuredRequest(manager, StructuredOutputsParams(json={"$ref": "https://example.com/x.json"}))
+    req.future.exception(timeout=60)
+    assert req.ready()
+    with pytest.raises(UnsupportedSchemaError, match=r"\$ref"):
+        req.start()
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_mixed_batch_masks_only_constrained_rows(manager, backends, info, encode, prepared: bool) -> None:
+    llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
+    xgr = backends["xgrammar"].compile(StructuredOutputsParams(regex=r"[0-9]+").to_spec())
+    assert xgr.accept_tokens(encode("12"))
+    seqs = [
+        SimpleNamespace(grammar=None),
+        SimpleNamespace(grammar=llg),
+        SimpleNamespace(grammar=None),
+        SimpleNamespace(grammar=xgr),
+        SimpleNamespace(grammar=None),
+    ]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar)
+    logits = torch.randn(len(seqs), info.vocab_size, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    if prepared:
+        processor.prepare(seqs)
+    processor(logits, seqs)
+    for row, seq in enumerate(seqs):
+        if seq.grammar is None:
+            assert torch.equal(logits[row], before[row])  # same logits, hence the same sampled token
+        else:
+            allowed = allowed_tokens(seq.grammar, info.vocab_size)
+            assert torch.equal(torch.isinf(logits[row]), ~allowed)
+            assert torch.equal(logits[row][allowed], before[row][allowed])
+    # A batch with no grammar at all is left alone.
+    plain = before.clone()
+    processor(plain, [SimpleNamespace(grammar=None)] * len(seqs))
+    assert torch.equal(plain, before)
