@@ -6,6 +6,10 @@ Every knob has a default that works on a laptop CPU; `LLM(...)` and `structgen s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from structgen.structured.manager import StructuredOutputConfig
 
 
 @dataclass(slots=True, kw_only=True)
@@ -75,3 +79,5 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # The structured-output layer (backend, compile limit, workers...); None → `StructuredOutputConfig()`.
+    structured: StructuredOutputConfig | None = None

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from structgen.structured.spec import StructuredOutputsParams
 
 # Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by a near-zero temperature only
 # adds overflow risk for a distribution that is already a point mass.
@@ -41,6 +45,8 @@ class SamplingParams:
     prompt_logprobs: None = None  # not supported yet
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # JSON Schema / json_object / regex / grammar / choice constraint (structgen.structured).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -70,6 +76,14 @@ class SamplingParams:
             _check_int(
                 "logprobs", self.logprobs, low=0, high=MAX_LOGPROBS, what=f"in [0, {MAX_LOGPROBS}] or None"
             )
+        if self.structured_outputs is not None:
+            from structgen.structured.spec import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams or None, "
+                    f"got {type(self.structured_outputs).__name__}"
+                )
         if self.prompt_logprobs is not None:
             raise ValueError(
                 f"prompt_logprobs is not supported yet; leave it None (got {self.prompt_logprobs!r})"

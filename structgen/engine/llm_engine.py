@@ -28,11 +28,13 @@ from structgen.engine.progress import progress_bar
 from structgen.engine.sampler import Sampler, make_generator
 from structgen.engine.scheduler import Scheduler, SchedulerOutput
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
+from structgen.engine.structured import StructuredOutputs
 from structgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from structgen.structured import StructuredOutputConfig
     from structgen.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,10 +96,16 @@ class LLMEngine:
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt
         )
         self.scheduler = Scheduler(sched_config, self.block_manager, fork_generator=self._fork_generator)
-        self.output_processor = OutputProcessor(
-            tokenizer, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        self.structured = StructuredOutputs(
+            tokenizer, vocab_size=self.vocab_size, config=config.structured, device=self.device
         )
-        # The structured-output layer installs its batched bitmask here.
+        self.output_processor = OutputProcessor(
+            tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            jump_forward=self.structured.jump_forward,
+        )
+        # The structured-output layer installs its batched bitmask here (on the first structured request).
         self.logits_processor: LogitsProcessor | None = None
         self.counters = EngineCounters()
         self.last_step_num_tokens = 0
@@ -168,6 +176,11 @@ class LLMEngine:
             ready=ready,
             num_forks=params.n - 1,
         )
+        if params.structured_outputs is not None:
+            # Raises at once for a spec known not to compile; otherwise the compile runs in the background.
+            self.structured.attach(seq, params.structured_outputs)
+            if self.logits_processor is None:
+                self.logits_processor = self.structured.processor
         self.output_processor.start(seq)
         request.seqs.append(seq)
         self._requests[request_id] = request
@@ -182,6 +195,7 @@ class LLMEngine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.structured.release(seq)
             request.metrics.finished_time = time.monotonic()
             self.counters.num_requests_aborted += 1
         self.scheduler.drop_finished()
@@ -197,17 +211,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns the outputs of requests that progressed (streaming ones) or finished."""
+        ended = self.structured.poll(self.scheduler, self.output_processor, self._requests)
+        self._finish_all(ended)
+        ended_seqs = [seq for seq, _ in ended]
         batch = self.scheduler.schedule()
         self.last_step_num_tokens = batch.num_batched_tokens
         if batch.is_empty:
-            return []
+            return self._collect_outputs(ended_seqs)
         self._note_scheduled(batch)
+        self.structured.prepare(batch.sample_seqs)
         sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor)
         self.scheduler.update(batch)
         self.counters.num_steps += 1
         for child in batch.forked:
-            self.output_processor.start(child)
-            self._requests[child.request_id].seqs.append(child)
+            request = self._requests[child.request_id]
+            incremental = request.stream or bool(request.params.stop)
+            self.output_processor.start_fork(child, incremental=incremental)
+            request.seqs.append(child)
 
         sample_seqs = batch.sample_seqs
         if failed:
@@ -224,13 +244,25 @@ class LLMEngine:
             if sampled.top_logprobs is not None:
                 sampled.top_logprobs = [sampled.top_logprobs[i] for i in keep]
         self.counters.num_generated_tokens += len(sample_seqs)
-        for seq, status in self.output_processor.process(sample_seqs, sampled, self._requests):
+        self._finish_all(self.output_processor.process(sample_seqs, sampled, self._requests))
+        return self._collect_outputs(ended_seqs + batch.sample_seqs)
+
+    def _finish_all(self, ended: list[tuple[Sequence, SequenceStatus]]) -> None:
+        for seq, status in ended:
+            if seq.structured is not None:
+                final = self.output_processor.finish_structured(seq, status)
+                if final is None:  # a relaxed grammar's output failed validation: sample it again
+                    self.structured.retry(seq, self.scheduler, self.output_processor, self._requests)
+                    continue
+                status = final
             self.scheduler.finish(seq, status)
 
+    def _collect_outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests of `seqs` that finished, or progressed and stream."""
         outputs = []
         now = time.monotonic()
         seen: set[str] = set()
-        for seq in batch.sample_seqs:
+        for seq in seqs:
             request = self._requests.get(seq.request_id)
             if request is None or seq.request_id in seen:
                 continue
@@ -285,6 +317,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=bm.num_queried_tokens,
             prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_evictions=bm.num_evictions,
+            num_jump_forward_tokens=self.output_processor.num_forced_tokens,
+            num_structured_retries=self.structured.num_retries,
+            num_grammar_errors=self.output_processor.num_grammar_errors,
         )
 
 
@@ -307,6 +342,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        structured: StructuredOutputConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -326,6 +362,7 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            structured=structured,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

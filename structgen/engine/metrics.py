@@ -84,6 +84,11 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_evictions: int
+    # Structured output: tokens appended by jump-forward (never sampled), resamples of outputs that failed
+    # validation, and sampled tokens a grammar rejected (each a backend bug; the request fails).
+    num_jump_forward_tokens: int = 0
+    num_structured_retries: int = 0
+    num_grammar_errors: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -11,16 +11,20 @@ when the sequence finishes, through the same detokenizer so both paths give the 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from structgen.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from structgen.engine.outputs import CompletionOutput, RequestOutput, StructuredReport, TokenLogprob
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
+from structgen.structured.errors import StructuredOutputError
 from structgen.tokenizer import IncrementalDetokenizer, StopChecker
 
 if TYPE_CHECKING:
     from structgen.sampling_params import SamplingParams
     from structgen.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class SampledTokens(Protocol):
@@ -32,10 +36,20 @@ class SampledTokens(Protocol):
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, *, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        jump_forward: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.jump_forward = jump_forward
+        self.num_forced_tokens = 0  # appended by jump-forward, never sampled
+        self.num_grammar_errors = 0
 
     def process(
         self, seqs: list[Sequence], sampled: SampledTokens, requests: dict[str, Request]
@@ -57,10 +71,77 @@ class OutputProcessor:
                 top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else []
                 seq.logprobs.append(TokenLogprob(token_id, logprob, top))
                 seq.cumulative_logprob += logprob
-            status = self._append_text(seq, token_id, incremental=request.stream or bool(_params(seq).stop))
+            incremental = request.stream or bool(_params(seq).stop)
+            if seq.structured is not None:
+                status = self._advance_grammar(seq, token_id, incremental=incremental)
+            else:
+                status = self._append_text(seq, token_id, incremental=incremental)
             if status is not None:
                 finished.append((seq, status))
         return finished
+
+    def _advance_grammar(self, seq: Sequence, token_id: int, *, incremental: bool) -> SequenceStatus | None:
+        """Feed the sampled token to the sequence's grammar, then append what the grammar forces next."""
+        structured = seq.structured
+        try:
+            # EOS ends the sequence (the mask allowed it only where the grammar can end): not fed to it.
+            if token_id not in self.eos_token_ids:
+                structured.accept([token_id])
+            status = self._append_text(seq, token_id, incremental=incremental)
+            if status is not None or not self.jump_forward:
+                return status
+            forced = structured.jump_forward()
+        except StructuredOutputError as error:
+            # The mask allowed a token the matcher refuses: a bug in a backend. Fail this request loudly.
+            logger.error("%s: %s", seq, error)
+            self.num_grammar_errors += 1
+            seq.error = str(error)
+            return SequenceStatus.FINISHED_ERROR
+        return self.append_forced(seq, forced, incremental=incremental)
+
+    def append_forced(self, seq: Sequence, forced: list[int], *, incremental: bool) -> SequenceStatus | None:
+        """Append tokens the grammar forces (already accepted by it), with their text and stop checks."""
+        for i, forced_id in enumerate(forced):
+            seq.append_token(forced_id)
+            if seq.logprobs is not None:  # forced: probability 1 under the grammar
+                seq.logprobs.append(TokenLogprob(forced_id, 0.0, []))
+            self.num_forced_tokens += 1
+            # The grammar accepted all of `forced` already: it may only end after the last one.
+            last = i == len(forced) - 1
+            status = self._append_text(seq, forced_id, incremental=incremental, grammar_may_end=last)
+            if status is not None:
+                return status
+        return None
+
+    def finish_structured(self, seq: Sequence, status: SequenceStatus) -> SequenceStatus | None:
+        """Validate a finished structured output. Returns the final status, or None when the sequence should
+        sample again (a relaxed grammar's output failed validation and retries remain)."""
+        structured = seq.structured
+        if status is not SequenceStatus.FINISHED_STOPPED:
+            return status  # "length" (incomplete, not valid), "error", "abort": nothing to validate
+        result = structured.validate(seq.output_text)
+        if structured.should_retry():
+            return None
+        if not result.valid and structured.failed_strict():
+            seq.error = f"the output does not satisfy the requested {structured.spec.kind}: {result.error}"
+            return SequenceStatus.FINISHED_ERROR
+        return status
+
+    def start_fork(self, child: Sequence, *, incremental: bool) -> None:
+        """`start` for a fork that already carries output tokens (a grammar's forced prefix)."""
+        self.start(child)
+        if incremental and child.output_token_ids:
+            child.output_text = child.detokenizer.push(child.output_token_ids)
+
+    def restart(self, seq: Sequence) -> None:
+        """Forget a sequence's output (a structured retry); its grammar was reset by the caller."""
+        del seq.token_ids[seq.num_prompt_tokens :]
+        seq.output_token_ids.clear()
+        seq.output_text = ""
+        seq.num_sent_chars = seq.num_sent_tokens = 0
+        seq.cumulative_logprob = 0.0
+        seq.stop_reason = None
+        self.start(seq)
 
     def start(self, seq: Sequence) -> None:
         """Set up a sequence's output state before its first token (also for forks)."""
@@ -75,9 +156,11 @@ class OutputProcessor:
         )
         seq.logprobs = [] if params.logprobs is not None else None
 
-    def _append_text(self, seq: Sequence, token_id: int, *, incremental: bool) -> SequenceStatus | None:
+    def _append_text(
+        self, seq: Sequence, token_id: int, *, incremental: bool, grammar_may_end: bool = True
+    ) -> SequenceStatus | None:
         params = _params(seq)
-        status, hide = self._token_stop(seq, token_id)
+        status, hide = self._token_stop(seq, token_id, grammar_may_end=grammar_may_end)
         if not incremental:
             if status is not None:
                 ids = seq.output_token_ids[:-1] if hide else seq.output_token_ids
@@ -98,7 +181,9 @@ class OutputProcessor:
         seq.output_text += delta
         return status
 
-    def _token_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, bool]:
+    def _token_stop(
+        self, seq: Sequence, token_id: int, *, grammar_may_end: bool = True
+    ) -> tuple[SequenceStatus | None, bool]:
         """(finish status or None, whether the token is left out of the text) for a just-appended token."""
         params = _params(seq)
         num_output = seq.num_output_tokens
@@ -108,6 +193,8 @@ class OutputProcessor:
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED, not params.include_stop_str_in_output
+        if grammar_may_end and seq.structured is not None and seq.structured.is_terminated():
+            return SequenceStatus.FINISHED_STOPPED, False  # the grammar is complete: nothing may follow
         if seq.max_tokens is not None and num_output >= seq.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, False
         if len(seq.token_ids) >= self.max_model_len:
@@ -130,6 +217,8 @@ class OutputProcessor:
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                     delta_text=text[seq.num_sent_chars :],
                     delta_token_ids=seq.output_token_ids[seq.num_sent_tokens :],
+                    error=seq.error,
+                    structured=_report(seq) if seq.structured is not None else None,
                 )
             )
             seq.num_sent_chars = len(text)
@@ -143,6 +232,28 @@ class OutputProcessor:
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
         )
+
+
+def _report(seq: Sequence) -> StructuredReport:
+    info = seq.structured.report()
+    complete = seq.status is SequenceStatus.FINISHED_STOPPED or (
+        seq.status is SequenceStatus.FINISHED_ERROR and info["valid"] is not None
+    )
+    error = info["error"]
+    if seq.status is SequenceStatus.FINISHED_LENGTH:
+        error = "max_tokens reached before the output was complete"
+    elif seq.error is not None:
+        error = seq.error
+    return StructuredReport(
+        backend=info["backend"],
+        path=info["path"],
+        valid=info["valid"] if seq.status.is_finished else None,
+        complete=complete,
+        error=error,
+        retries=info["retries"],
+        forced_tokens=info["forced_tokens"],
+        changes=info["changes"],
+    )
 
 
 def _params(seq: Sequence) -> SamplingParams:

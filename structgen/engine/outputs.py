@@ -21,17 +21,40 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class StructuredReport:
+    """How a structured request's output was produced and checked.
+
+    `valid` is None until the output finishes; `complete` is False when `max_tokens` cut it short (it is then
+    not valid). `path` is the serving path (exact / rewritten / relaxed), `retries` the resamples a relaxed
+    grammar needed, `forced_tokens` the tokens appended by jump-forward.
+    """
+
+    backend: str | None
+    path: str | None
+    valid: bool | None
+    complete: bool
+    error: str | None = None
+    retries: int = 0
+    forced_tokens: int = 0
+    changes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     # What stopped it: the stop string or stop token id; None for EOS, length, or still running.
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None  # only when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Why the request failed when `finish_reason == "error"` (a grammar that cannot compile...).
+    error: str | None = None
+    # For structured requests: how it was served and whether the output validates (`StructuredReport`).
+    structured: StructuredReport | None = None
 
     @property
     def finished(self) -> bool:

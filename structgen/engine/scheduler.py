@@ -212,6 +212,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def restart(self, seq: Sequence) -> None:
+        """Send a running sequence back to the front of the queue to generate again from its (already reset)
+        tokens: its blocks go back to the pool, and its prompt usually returns from the prefix cache."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+        seq.block_hashes = []
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def drop_finished(self) -> None:
         """Forget finished sequences (their blocks were returned by `finish`)."""
         if any(seq.is_finished for seq in self.running):

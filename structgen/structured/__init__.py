@@ -1,8 +1,10 @@
 """Structured output: JSON Schema / json_object / regex / grammar / choice compiled into token bitmasks.
 
-The engine creates one `StructuredOutputManager` per model; each request's `StructuredOutputsParams` becomes
-a canonical `StructuredSpec`, compiled off the hot path into a `Grammar` that fills its row of the batch
-bitmask every step (`apply_token_bitmask_` masks the logits) and accepts each sampled token.
+The engine creates one `StructuredOutputManager` per model and installs a `StructuredLogitsProcessor`; each
+request's `StructuredOutputsParams` becomes a `StructuredRequest`: its canonical `StructuredSpec` compiles off
+the hot path into a `Grammar` that fills its row of the batch bitmask every step (`apply_token_bitmask_`
+masks the logits), accepts each sampled token, offers jump-forward tokens, and has the finished output
+validated against the original schema.
 """
 
 from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBackend, create_backend
@@ -16,6 +18,7 @@ from structgen.structured.errors import (
 )
 from structgen.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from structgen.structured.normalize import SchemaChange, ServingPath, normalize_schema
+from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
 from structgen.structured.select import CompiledSpec, compile_spec
 from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
 from structgen.structured.tokenizer_info import TokenizerInfo
@@ -31,10 +34,12 @@ __all__ = [
     "SchemaChange",
     "ServingPath",
     "StructuredBackend",
+    "StructuredLogitsProcessor",
     "StructuredOutputConfig",
     "StructuredOutputError",
     "StructuredOutputManager",
     "StructuredOutputsParams",
+    "StructuredRequest",
     "StructuredSpec",
     "TokenizerInfo",
     "UnsupportedSchemaError",

@@ -7,8 +7,9 @@ xgrammar and outlines-core all write, so backends fill rows in place without con
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 _SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
@@ -62,7 +63,7 @@ def apply_token_bitmask_(
     bitmask: torch.Tensor,
     rows: Sequence[int] | torch.Tensor | None = None,
 ) -> None:
-    """Set to -inf, in place, every logit whose bit is 0.
+    """Set to -inf, in place, every logit whose bit is 0; allowed logits keep their values.
 
     `bitmask[i]` is the mask of `logits[i]` (the bitmask may have more rows than the batch). `rows` limits
     the work to the constrained rows; the others are left untouched and cost nothing. Logit columns beyond
@@ -75,11 +76,10 @@ def apply_token_bitmask_(
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
     batch, vocab = logits.shape
-    if bitmask.shape[0] < batch and rows is None:
-        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows")
     if rows is None:
+        if bitmask.shape[0] < batch:
+            raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows")
         index = None
-        masks = bitmask[:batch]
     else:
         index = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
         if index.numel() == 0:
@@ -88,16 +88,44 @@ def apply_token_bitmask_(
             raise ValueError(
                 f"rows {index.tolist()} out of range for {batch} logits / {bitmask.shape[0]} mask rows"
             )
-        masks = bitmask.index_select(0, index.to(bitmask.device))
-    if masks.device != logits.device:
-        masks = masks.to(logits.device, non_blocking=True)
-    covered = min(vocab, masks.shape[1] * 32)
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        _apply_cpu(logits, bitmask, range(batch) if index is None else index.tolist(), covered)
+    else:
+        _apply_torch(logits, bitmask, index, covered)
+    if covered < vocab:
+        logits[slice(None) if index is None else index, covered:] = float("-inf")
+
+
+# Byte value -> the 8 additive biases of its bits (0: allowed, -inf: forbidden), bit 0 first.
+_BYTE_BIAS = np.where(
+    (np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(0.0), np.float32(-np.inf)
+).astype(np.float32)
+
+
+def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Iterable[int], covered: int) -> None:
+    # One row at a time: a table lookup expands the row's bytes into 0/-inf biases (cache-sized), which
+    # are added in place. About 10x faster than unpacking with shifts and masked_fill on a 100k vocabulary.
+    # Bytes in little-endian order are the bitmask's token order (bit i of word w is token 32w + i).
+    packed = bitmask.contiguous().numpy().view(np.uint8)
+    expanded = np.empty((packed.shape[1], 8), dtype=np.float32)
+    bias = torch.from_numpy(expanded.reshape(-1)[:covered])
+    for row in rows:
+        np.take(_BYTE_BIAS, packed[row], axis=0, out=expanded)
+        logits[row, :covered].add_(bias)
+
+
+def _apply_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None, covered: int
+) -> None:
+    # Any device (the GPU path until the Triton kernel lands): unpack with shifts, then masked_fill.
+    batch = logits.shape[0]
+    masks = bitmask[:batch] if index is None else bitmask.index_select(0, index.to(bitmask.device))
+    masks = masks.to(logits.device, non_blocking=True)
     bits = (masks.unsqueeze(-1) >> _shifts(masks.device)) & 1
     forbidden = bits.reshape(masks.shape[0], -1)[:, :covered] == 0
     target = logits if index is None else logits.index_select(0, index)
     target[:, :covered].masked_fill_(forbidden, float("-inf"))
-    if covered < vocab:
-        target[:, covered:] = float("-inf")
     if index is not None:
         logits.index_copy_(0, index, target)
 

@@ -37,6 +37,8 @@ class StructuredOutputConfig:
     compile_workers: int = 4
     cache_size: int = 512
     max_validation_retries: int = 3
+    # Append the tokens a grammar forces without sampling them (prefilled with the next step).
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKEND_NAMES:
@@ -86,6 +88,8 @@ class StructuredOutputManager:
         )
         # One thread suffices: each backend's batched fill runs on the library's own native threads.
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="structgen-mask")
+        # The preferred backend is built now, so the first request's compile time is only its compile.
+        self.backend(self._order[0])
 
     # -- compilation ---------------------------------------------------------------------------------
 
@@ -135,19 +139,18 @@ class StructuredOutputManager:
         with self._lock:
             if error is None:
                 self.stats.compiles += 1
-            else:
-                self.stats.failures += 1
-                if isinstance(error, CompileTimeoutError):
-                    self.stats.timeouts += 1
             if outer.done():
-                # Timed out already; a late success still serves the next request for this spec.
+                # The timer failed the request already; a late success still serves the next request.
                 if error is None and key not in self._cache:
                     late: Future[CompiledSpec] = Future()
                     late.set_result(inner.result())
                     self._insert(key, late)
                 return
+            if error is not None:
+                self.stats.failures += 1
             if isinstance(error, CompileTimeoutError):
-                self._cache.pop(key, None)
+                self.stats.timeouts += 1
+                self._cache.pop(key, None)  # may succeed another time: do not cache the failure
         if error is None:
             _resolve(outer, result=inner.result())
         elif isinstance(error, StructuredOutputError):
@@ -159,6 +162,7 @@ class StructuredOutputManager:
         with self._lock:
             if outer.done():
                 return
+            self.stats.failures += 1
             self.stats.timeouts += 1
             if self._cache.get(key) is outer:
                 del self._cache[key]

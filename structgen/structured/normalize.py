@@ -10,7 +10,6 @@ place for `relax.py`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -130,8 +129,6 @@ class _Normalizer:
         self.draft = draft
         self.root = root
         self.changes: list[SchemaChange] = []
-        # A $ref pointing into an allOf branch would break if branches moved.
-        self.may_merge = "/allOf/" not in json.dumps(root)
         self.anchors = anchors(root, legacy_ids=draft in _LEGACY)
 
     def rewrite(self, path: str, keyword: str, note: str) -> None:
@@ -356,8 +353,6 @@ class _Normalizer:
             return node
         if any(b is False for b in branches):
             return False  # one impossible branch: nothing is valid here
-        if not self.may_merge:
-            return node
         merged = {k: v for k, v in node.items() if k != "allOf"}
         rest: list[Any] = []
         queue = list(branches)

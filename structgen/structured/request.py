@@ -11,6 +11,7 @@ and masks only those rows.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -48,6 +49,13 @@ class StructuredRequest:
             self.compiled = self.future.result()
             self.grammar = self.compiled.new_grammar()
         return self.grammar
+
+    def fork(self) -> StructuredRequest:
+        """An independent copy for a sibling sample (n > 1): same compiled spec, its own grammar state."""
+        child = copy.copy(self)
+        if self.grammar is not None:
+            child.grammar = self.grammar.clone()
+        return child
 
     def accept(self, token_ids: Sequence[int]) -> None:
         grammar = self.start()
@@ -111,29 +119,45 @@ class StructuredRequest:
 
 
 class StructuredLogitsProcessor:
-    """`logits_processor(logits, seqs)` for the engine: masks the rows whose sequence has a grammar."""
+    """`logits_processor(logits, seqs)` for the engine: masks the rows whose sequence has a grammar.
+
+    Call `prepare(seqs)` before the model forward to fill the mask on the mask thread meanwhile; `__call__`
+    then waits for it (or, given other sequences than were prepared, fills the mask itself).
+    """
 
     def __init__(self, manager: StructuredOutputManager, grammar_of: Callable[[Any], Grammar | None]):
         self.manager = manager
         self.grammar_of = grammar_of
         self._bitmask = manager.allocate_bitmask(64)
-        self._pending: tuple[list[int], Future[None]] | None = None
+        self._pending: tuple[list[Any], list[int], Future[None]] | None = None
 
     def prepare(self, seqs: Sequence[Any]) -> None:
-        """Start filling this step's rows on the mask thread (call before the model forward)."""
+        self._settle()
         items = self._items(seqs)
-        future = self.manager.fill_bitmask_async(items, self._bitmask) if items else None
-        self._pending = ([row for _, row in items], future) if future is not None else ([], _done())
+        future = self.manager.fill_bitmask_async(items, self._bitmask) if items else _done()
+        self._pending = (list(seqs), [row for _, row in items], future)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> None:
-        if self._pending is None:
+        pending = self._pending
+        if (
+            pending is None
+            or len(pending[0]) != len(seqs)
+            or any(a is not b for a, b in zip(pending[0], seqs, strict=True))
+        ):
             self.prepare(seqs)
-        assert self._pending is not None
-        rows, future = self._pending
+            pending = self._pending
+        assert pending is not None
         self._pending = None
+        _, rows, future = pending
         future.result()
         if rows:
             apply_token_bitmask_(logits, self._bitmask, rows=rows)
+
+    def _settle(self) -> None:
+        # A fill still writing into the bitmask must finish before the bitmask is reused.
+        if self._pending is not None:
+            self._pending[2].result()
+            self._pending = None
 
     def _items(self, seqs: Sequence[Any]) -> list[tuple[Grammar, int]]:
         if len(seqs) > self._bitmask.shape[0]:

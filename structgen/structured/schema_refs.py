@@ -13,20 +13,20 @@ from structgen.structured.schema_walk import iter_subschemas, map_subschemas, re
 
 
 def hoist_ref_targets(root: Any) -> Any:
-    """Copy `$ref` targets that sit under non-schema keys (`#/ddd/x`: legal JSON pointers, but a backend only
-    looks for schemas where schemas belong) into `$defs`, and point the references there."""
+    """Copy every `$ref` target other than the root or a top-level `$defs`/`definitions` entry into `$defs`,
+    and point the references there. Pointers such as `#/ddd/x` (under a non-schema key, where a backend
+    does not look) or `#/allOf/1/not` (into a spot normalization rewrites) then stay valid."""
     if not isinstance(root, dict):
         return root
     hoisted: dict[str, str] = {}
     copied = False
     for _ in range(64):
-        positions = {path for path, _ in iter_subschemas(root)}
         stray = [
             (node, node["$ref"])
             for _, node in iter_subschemas(root)
             if isinstance(node.get("$ref"), str)
             and node["$ref"].startswith("#/")
-            and node["$ref"] not in positions
+            and not _stable(node["$ref"])
         ]
         movable = []
         for node, ref in stray:
@@ -46,6 +46,11 @@ def hoist_ref_targets(root: Any) -> Any:
                 hoisted[ref] = f"#/$defs/{name}"
             node["$ref"] = hoisted[ref]
     return root
+
+
+def _stable(ref: str) -> bool:
+    parts = ref[2:].split("/")
+    return len(parts) == 2 and parts[0] in ("$defs", "definitions")
 
 
 def inline_boolean_refs(node: Any, root: Any = None) -> Any:

@@ -113,6 +113,12 @@ _CORE = frozenset(
     }
 )  # fmt: skip
 _NUMERIC = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+_XGRAMMAR_FORMATS = frozenset(
+    {
+        "date-time", "time", "date", "duration", "email", "ipv4", "ipv6", "uri", "uuid", "json-pointer",
+        "relative-json-pointer",
+    }
+)  # fmt: skip
 
 LLGUIDANCE_SUPPORT = SchemaSupport(
     keywords=_CORE | _NUMERIC | {"allOf", "oneOf", "patternProperties", "minProperties", "maxProperties"},
@@ -123,21 +129,7 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
 XGRAMMAR_SUPPORT = SchemaSupport(
     # min/maxProperties: seen ignored next to optional properties.
     keywords=_CORE | _NUMERIC | {"allOf"},
-    formats=frozenset(
-        {
-            "date-time",
-            "time",
-            "date",
-            "duration",
-            "email",
-            "ipv4",
-            "ipv6",
-            "uri",
-            "uuid",
-            "json-pointer",
-            "relative-json-pointer",
-        }
-    ),
+    formats=_XGRAMMAR_FORMATS,
     length_beside_pattern=False,
     multiple_of_non_integer=False,
     several_all_of=False,

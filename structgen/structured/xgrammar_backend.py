@@ -123,16 +123,18 @@ class XGrammarBackend(StructuredBackend):
         return XGrammarGrammar(self._xgr.GrammarMatcher(compiled), self)
 
     def fill_bitmask_batch(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
-        live = [(g, row) for g, row in items if not g.is_terminated()]
-        for g, row in items:
-            if g.is_terminated():
+        matchers, rows = [], []
+        for grammar, row in items:
+            if grammar._ended:  # type: ignore[attr-defined]
                 fill_allow_only(bitmask, row, self.tokenizer.eos_token_ids)
-        if not live:
+            else:
+                matchers.append(grammar._matcher)  # type: ignore[attr-defined]
+                rows.append(row)
+        if not matchers:
             return
         if self._batch is None:
             self._batch = self._xgr.BatchGrammarMatcher(max_threads=2)
-        matchers = [g.matcher for g, _ in live]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, [row for _, row in live])
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 def _ebnf_string(text: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, Literal
 
 Spelling = Literal["byte_level", "sentencepiece", "plain"]
@@ -18,19 +19,25 @@ Spelling = Literal["byte_level", "sentencepiece", "plain"]
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_decoder() -> dict[str, int]:
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies are spelled in."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
     ]
-    mapping = {chr(b): b for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            mapping[chr(256 + shift)] = b
-            shift += 1
+    mapping = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + shifted)
+            shifted += 1
     return mapping
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    return {char: byte for byte, char in byte_alphabet().items()}
 
 
 def _decoder_parts(decoder: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from structgen.structured.bitmask import (
+    _apply_cpu,
+    _apply_torch,
     allocate_token_bitmask,
     allow_tokens,
     apply_token_bitmask_,
@@ -86,3 +88,18 @@ def test_bad_arguments_are_named() -> None:
         apply_token_bitmask_(torch.zeros(2, 32), torch.zeros(2, 1, dtype=torch.int32), rows=[2])
     with pytest.raises(ValueError, match="rows for"):
         apply_token_bitmask_(torch.zeros(3, 32), torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_cpu_and_device_paths_agree() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 100, generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=gen)
+    a, b = logits.clone(), logits.clone()
+    _apply_cpu(a, mask, [0, 2, 4], covered=100)
+    _apply_torch(b, mask, torch.tensor([0, 2, 4]), covered=100)
+    assert torch.equal(a, b)
+    assert torch.equal(a[[1, 3]], logits[[1, 3]])
+    full, bf16 = logits.clone(), logits.to(torch.bfloat16)
+    apply_token_bitmask_(full, mask)
+    apply_token_bitmask_(bf16, mask)  # half-precision logits are masked the same way
+    assert torch.equal(torch.isinf(bf16), torch.isinf(full))

@@ -29,8 +29,10 @@ def _spec(i: int):
 
 
 @pytest.fixture()
-def manager(info):
-    m = StructuredOutputManager(info, StructuredOutputConfig(cache_size=3))
+def manager(info, backends):
+    m = StructuredOutputManager(
+        info, StructuredOutputConfig(cache_size=3), backends={"llguidance": backends["llguidance"]}
+    )
     yield m
     m.shutdown()
 
@@ -61,11 +63,10 @@ def test_errors_reach_the_future_and_are_cached(manager) -> None:
     assert manager.submit(spec).done()  # not compiled again
 
 
-def test_compile_time_limit_fails_the_request_clearly(info) -> None:
+def test_compile_time_limit_fails_the_request_clearly(info, backends) -> None:
     config = StructuredOutputConfig(backend="outlines", compile_timeout_s=0.05)
-    manager = StructuredOutputManager(info, config)
+    manager = StructuredOutputManager(info, config, backends={"outlines": backends["outlines"]})
     try:
-        manager.backend("outlines")  # built before the clock starts: only the compile is timed
         schema = json.loads((SAMPLES / "sample_json_schema.v1.json").read_text())
         future = manager.submit(StructuredOutputsParams(json=schema).to_spec())
         with pytest.raises(CompileTimeoutError, match=r"exceeded the 0\.05 s limit"):
@@ -118,10 +119,11 @@ def test_batched_fill_equals_row_by_row(info, backends, encode) -> None:
         manager.shutdown()
 
 
-def test_submit_does_not_block(info) -> None:
-    manager = StructuredOutputManager(info, StructuredOutputConfig(backend="outlines"))
+def test_submit_does_not_block(info, backends) -> None:
+    manager = StructuredOutputManager(
+        info, StructuredOutputConfig(backend="outlines"), backends={"outlines": backends["outlines"]}
+    )
     try:
-        manager.backend("outlines")
         start = time.perf_counter()
         future = manager.submit(StructuredOutputsParams(regex=r"[a-z]{1,8}@example\.com").to_spec())
         assert time.perf_counter() - start < 0.05 and not future.done()

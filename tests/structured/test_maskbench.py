@@ -110,3 +110,22 @@ def test_auto_presents_no_invalid_instance_as_valid(backends, encode, info) -> N
     print(f"\nauto: {dict(paths)}; instances {dict(counts)}")
     assert paths["not served"] <= len(sample) // 20
     assert counts["valid_accepted"] >= 0.9 * counts["valid"]
+
+
+def test_normalization_keeps_every_verdict() -> None:
+    """On real schemas the normalized (2020-12) schema judges each labelled instance as the original does."""
+    import jsonschema
+
+    from structgen.structured.validate import FORMAT_CHECKER, validate_instance
+
+    checked = 0
+    for row in _sample(40):
+        normalized = normalize_schema(row["schema"])
+        if not normalized.changes or normalized.schema is False:
+            continue
+        validator = jsonschema.Draft202012Validator(normalized.schema, format_checker=FORMAT_CHECKER)
+        for test in row["tests"]:
+            original = validate_instance(test["data"], row["schema"]).valid
+            assert validator.is_valid(test["data"]) == original, (row["id"], test["data"])
+            checked += 1
+    assert checked > 200

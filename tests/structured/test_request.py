@@ -72,8 +72,8 @@ def test_compile_errors_surface_on_start(manager) -> None:
         req.start()
 
 
-@pytest.mark.parametrize("prepared", [True, False])
-def test_mixed_batch_masks_only_constrained_rows(manager, backends, info, encode, prepared: bool) -> None:
+@pytest.mark.parametrize("prepared", ["same batch", "other batch", "not prepared"])
+def test_mixed_batch_masks_only_constrained_rows(manager, backends, info, encode, prepared: str) -> None:
     llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
     xgr = backends["xgrammar"].compile(StructuredOutputsParams(regex=r"[0-9]+").to_spec())
     assert xgr.accept_tokens(encode("12"))
@@ -87,8 +87,10 @@ def test_mixed_batch_masks_only_constrained_rows(manager, backends, info, encode
     processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar)
     logits = torch.randn(len(seqs), info.vocab_size, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    if prepared:
-        processor.prepare(seqs)
+    if prepared == "same batch":
+        processor.prepare(seqs)  # the fill overlaps what would be the forward
+    elif prepared == "other batch":
+        processor.prepare(list(reversed(seqs)))  # rows would not line up: the processor refills
     processor(logits, seqs)
     for row, seq in enumerate(seqs):
         if seq.grammar is None:

@@ -14,9 +14,9 @@ from structgen.models.cl100k import (
     CL100K_VOCAB_SIZE,
     _bpe_parts,
     build_cl100k_tokenizer_json,
-    bytes_to_unicode,
 )
 from structgen.tokenizer import Tokenizer
+from structgen.tokenizer.token_bytes import byte_alphabet
 
 CORPUS = [
     "Hello, world! How's it going? I'm fine; they'll see, we've done it, you're right, she'd go.",
@@ -118,7 +118,7 @@ def test_bpe_merges_recover_every_token(encoding) -> None:
     assert len(spec["model"]["vocab"]) == len(ranks)
     # Every multi-byte cl100k token is reachable by merges, in rank order.
     assert len(spec["model"]["merges"]) == sum(1 for token in ranks if len(token) > 1)
-    byte_map = bytes_to_unicode()
+    byte_map = byte_alphabet()
     unmap = {ch: b for b, ch in byte_map.items()}
     for left, right in spec["model"]["merges"][:2000:37]:
         token = bytes(unmap[c] for c in left + right)

@@ -1,0 +1,265 @@
+"""The structured-output layer wired into the engine: masks in the step loop, WAITING_FOR_GRAMMAR, compile
+errors, jump-forward, validation reports, and real schemas on the default SmolLM2 model."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from engine_helpers import EngineFactory
+
+from structgen.engine.llm_engine import LLM
+from structgen.engine.sequence import SequenceStatus
+from structgen.sampling_params import SamplingParams
+from structgen.structured import StructuredOutputConfig, StructuredOutputError, StructuredOutputsParams
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+# Long forced runs: the keys and every value but one choice are fixed by the schema.
+FORCED = {
+    "type": "object",
+    "properties": {
+        "a_rather_long_property_name_for_testing": {"enum": ["first value", "second value"]},
+        "another_long_property_name_that_is_forced": {"const": "a constant string value"},
+    },
+    "required": ["a_rather_long_property_name_for_testing", "another_long_property_name_that_is_forced"],
+    "additionalProperties": False,
+}
+
+
+def run_all(engine: Any, max_steps: int = 2000) -> dict[str, Any]:
+    """Step until every request finished (idle steps, while grammars compile, sleep and do not count)."""
+    finished: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if engine.last_step_num_tokens == 0:
+            time.sleep(0.002)
+            continue
+        steps += 1
+        assert steps < max_steps, "engine made no progress"
+    return finished
+
+
+def _structured(max_tokens: int = 40, temperature: float = 0.0, seed: int | None = None, **spec: Any):
+    return SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**spec),
+    )
+
+
+def test_sampling_params_rejects_a_bad_structured_field() -> None:
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+
+
+def test_mixed_batch_leaves_unconstrained_rows_unchanged(make_engine: EngineFactory) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    alone = make_engine()
+    for i, prompt in enumerate(prompts):
+        alone.add_request(f"p{i}", prompt, plain)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run_all(alone).items()}
+
+    mixed = make_engine()
+    for i, prompt in enumerate(prompts):
+        mixed.add_request(f"p{i}", prompt, plain)
+    mixed.add_request("json", "A person:", _structured(json=PERSON))
+    mixed.add_request("regex", "A date:", _structured(regex=r"\d{4}-\d{2}-\d{2}"))
+    mixed.add_request("choice", "Yes or no?", _structured(choice=["yes", "no", "maybe"]))
+    got = run_all(mixed)
+    for rid, tokens in expected.items():
+        assert got[rid].outputs[0].token_ids == tokens, rid
+        assert got[rid].outputs[0].structured is None
+    date = got["regex"].outputs[0]
+    assert date.finish_reason == "stop" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.text)
+    assert got["choice"].outputs[0].text in ("yes", "no", "maybe")
+    person = got["json"].outputs[0]
+    if person.finish_reason == "stop":
+        jsonschema.validate(json.loads(person.text), PERSON)
+        assert person.structured is not None and person.structured.valid and person.structured.complete
+    else:
+        assert person.finish_reason == "length" and not person.structured.complete
+    assert mixed.block_manager.num_free_blocks == mixed.block_manager.num_blocks
+
+
+def test_slow_compile_does_not_stall_other_requests(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    manager = engine.structured.ensure_manager()
+    release = threading.Event()
+    compile_once = manager._compile
+
+    def slow_compile(spec, limit):  # type: ignore[no-untyped-def]
+        assert release.wait(30), "the test never released the compile"
+        return compile_once(spec, limit)
+
+    manager._compile = slow_compile  # type: ignore[method-assign]
+    engine.add_request("slow", "A person:", _structured(json=PERSON, max_tokens=20))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finished: dict[str, Any] = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if "plain" in finished:
+            break
+    assert "plain" in finished and len(finished["plain"].outputs[0].token_ids) == 8
+    assert engine.stats().num_waiting_for_grammar == 1
+    slow = engine._requests["slow"].seqs[0]
+    assert slow.status is SequenceStatus.WAITING_FOR_GRAMMAR and not slow.output_token_ids
+    release.set()
+    rest = run_all(engine)
+    assert rest["slow"].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_compile_failure_fails_only_that_request(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    engine.add_request("bad", "x", _structured(regex="(unclosed"))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    done = run_all(engine)
+    bad = done["bad"].outputs[0]
+    assert bad.finish_reason == "error" and bad.error
+    assert bad.structured is not None and bad.structured.valid is None
+    assert done["plain"].outputs[0].finish_reason == "length"
+    # The failure is cached: the same spec is now rejected synchronously, before it reaches the queue.
+    with pytest.raises(StructuredOutputError):
+        engine.add_request("bad2", "x", _structured(regex="(unclosed"))
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_while_compiling_and_running_frees_everything(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    engine.add_request("a", "A person:", _structured(json=PERSON, max_tokens=30))
+    engine.add_request("b", "A person:", _structured(json=FORCED, max_tokens=30))
+    for _ in range(3):
+        engine.step()
+    engine.abort(["a", "b"])
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.structured._compiling == []
+
+
+def test_jump_forward_saves_forwards(make_engine: EngineFactory) -> None:
+    results = {}
+    for jump in (True, False):
+        engine = make_engine(structured=StructuredOutputConfig(jump_forward=jump))
+        for i in range(2):
+            engine.add_request(f"r{i}", f"Record {i}:", _structured(json=FORCED, max_tokens=60, seed=i))
+        done = run_all(engine)
+        texts = [done[f"r{i}"].outputs[0] for i in range(2)]
+        for out in texts:
+            assert out.finish_reason == "stop"
+            jsonschema.validate(json.loads(out.text), FORCED)
+            assert out.structured.valid
+        results[jump] = (engine.stats(), texts)
+    with_jf, without = results[True][0], results[False][0]
+    assert with_jf.num_jump_forward_tokens > 20 and without.num_jump_forward_tokens == 0
+    assert with_jf.num_steps * 2 < without.num_steps
+    assert all(o.structured.forced_tokens > 0 for o in results[True][1])
+
+
+def test_n_greater_than_one_forks_the_grammar(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=7, max_tokens=30, structured_outputs=StructuredOutputsParams(json=FORCED)
+    )
+    engine.add_request("n3", "Record:", params)
+    out = run_all(engine)["n3"]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), FORCED)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_max_tokens_marks_the_output_incomplete(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    engine.add_request("short", "x", _structured(json=FORCED, max_tokens=3))
+    out = run_all(engine)["short"].outputs[0]
+    assert out.finish_reason == "length"
+    assert out.structured is not None and not out.structured.complete and not out.structured.valid
+
+
+# -- the default model on real schemas ----------------------------------------------------------------------
+
+
+def _bench_schemas() -> list[tuple[str, Any]]:
+    picked = []
+    for subset, index in (("Github_easy", 0), ("Glaiveai2K", 0), ("JME", 1), ("BFCL_simple", 0)):
+        with (DATA / "jsonschemabench" / f"{subset}.jsonl").open() as f:
+            rows = [json.loads(line) for _, line in zip(range(index + 1), f, strict=False)]
+        picked.append((subset, rows[index]["schema"]))
+    samples = DATA / "vllm-samples"
+    picked.append(("vllm-sample", json.loads((samples / "sample_json_schema.v1.json").read_text())))
+    return picked
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LLM:
+    return LLM(kv_cache_tokens=8192, max_num_seqs=16)
+
+
+def test_default_model_outputs_satisfy_real_specs(smollm: LLM) -> None:
+    samples = DATA / "vllm-samples"
+    schemas = _bench_schemas()
+    ipv4 = (samples / "sample_ipv4.regex").read_text().strip()
+    sql = (samples / "sample_sql.lark").read_text()
+    choices = json.loads((samples / "sample_choices.json").read_text())
+    tok = smollm.get_tokenizer()
+
+    def chat(text: str) -> dict[str, Any]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return {"prompt": prompt, "prompt_token_ids": tok.encode(prompt, add_special_tokens=False)}
+
+    prompts, params = [], []
+    for i, (_, schema) in enumerate(schemas):
+        prompts.append(chat("Reply with a short JSON example for this schema: " + json.dumps(schema)[:300]))
+        params.append(_structured(max_tokens=48, temperature=1.0, seed=i, json=schema))
+    prompts += [chat("An IPv4 address:"), chat("A SQL query:"), chat("Your favourite language?")]
+    params += [
+        _structured(max_tokens=24, temperature=1.0, seed=10, regex=ipv4),
+        _structured(max_tokens=24, temperature=1.0, seed=11, grammar=sql),
+        _structured(max_tokens=8, temperature=1.0, seed=12, choice=choices),
+    ]
+    outs = smollm.generate(prompts, params)
+    num_json_finished = 0
+    for (subset, schema), out in zip(schemas, outs, strict=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason in ("stop", "length"), (subset, completion)
+        if completion.finish_reason == "stop":
+            num_json_finished += 1
+            jsonschema.validate(json.loads(completion.text), schema)
+            assert completion.structured.valid, (subset, completion.structured)
+        else:
+            assert not completion.structured.valid
+    assert num_json_finished >= 3
+    ip, query, language = (o.outputs[0] for o in outs[len(schemas) :])
+    assert ip.finish_reason == "stop" and re.fullmatch(ipv4, ip.text)
+    assert query.finish_reason == "stop"
+    # The grammar's own matcher is the parser: the output's tokens walk it to an accepting end.
+    manager = smollm.engine.structured.manager
+    grammar = manager.compile(StructuredOutputsParams(grammar=sql).to_spec()).new_grammar()
+    eos = manager.tokenizer.eos_token_ids[0]
+    assert grammar.accept_tokens(tok.encode(query.text, add_special_tokens=False))
+    assert grammar.is_terminated() or grammar.accept_tokens([eos])
+    assert re.fullmatch(r"SELECT\s*col_[12]\s*from\s*table_[12]\s*where\s*col_[12]\s*=\s*[12]", query.text)
+    assert language.finish_reason == "stop" and language.text in choices
+    stats = smollm.engine.stats()
+    assert stats.num_grammar_errors == 0 and stats.kv_blocks_used == 0
