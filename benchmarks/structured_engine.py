@@ -1,7 +1,10 @@
 """Structured output inside the engine, measured as ratios within one run (the CPU is shared).
 
 (a) decode throughput with a JSON Schema on every one of `--batch` concurrent requests vs the same requests
-    unconstrained (sampled tokens per second of decode steps; jump-forward off so only the mask costs);
+    unconstrained (sampled tokens per second of decode steps; jump-forward off so only the mask costs). The
+    schema's string has a `minLength` beyond `--max-tokens` and both sides ignore EOS, so every request
+    decodes exactly `--max-tokens` tokens on both sides: same batch shapes, the mask is the only difference.
+    The two engines step alternately and each side sums its own step times, so CPU drift hits both alike;
 (c) time to first token of a request whose schema was never seen (compile in WAITING_FOR_GRAMMAR) vs one
     whose schema is in the compile cache;
 (d) share of output tokens produced by jump-forward on JSONSchemaBench schemas (a few per subset).
@@ -20,6 +23,12 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# Every request decodes to max_tokens under it: the string cannot close earlier.
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 2000}},
+    "required": ["text"],
+}
 # Free-form enough that a model keeps decoding until max_tokens: the mask changes every step.
 SCHEMA = {
     "type": "object",
@@ -69,18 +78,32 @@ def drain(engine: Any) -> dict[str, Any]:
     return done
 
 
-def throughput(engine: Any, batch: int, max_tokens: int, schema: Any) -> tuple[float, int]:
-    """Sampled tokens per second over the decode steps (steps after every prompt was prefilled)."""
-    if schema is not None:
-        engine.structured.ensure_manager().compile(params(1, seed=0, schema=schema).structured_outputs.to_spec())
-    for i in range(batch):
-        engine.add_request(f"t{i}", f"Item {i}: describe a book as JSON.", params(max_tokens, seed=i, schema=schema))
-    engine.step()  # the prefill (all prompts fit one step)
-    start_tokens = engine.counters.num_generated_tokens
-    start = time.perf_counter()
-    drain(engine)
-    elapsed = time.perf_counter() - start
-    return (engine.counters.num_generated_tokens - start_tokens) / elapsed, engine.counters.num_steps
+def throughput(model: str | None, batch: int, max_tokens: int, schema: Any) -> tuple[float, float]:
+    """Sampled tokens/s of decode steps (unconstrained, constrained). The two engines step alternately, so
+    drift of the shared CPU hits both sides alike; each side's time is the sum of its own steps."""
+    engines = [make_engine(model, jump_forward=False) for _ in range(2)]
+    engines[1].structured.ensure_manager().compile(
+        params(1, seed=0, schema=schema).structured_outputs.to_spec()
+    )
+    for engine, constrained in zip(engines, (None, schema), strict=True):
+        for i in range(batch):
+            p = params(max_tokens, seed=i, schema=constrained, ignore_eos=True)
+            engine.add_request(f"t{i}", f"Item {i}: describe a book as JSON.", p)
+        while engine.counters.num_steps == 0:  # the prefill (all prompts fit one step)
+            engine.step()
+    start_tokens = [e.counters.num_generated_tokens for e in engines]
+    elapsed = [0.0, 0.0]
+    while any(e.has_unfinished() for e in engines):
+        for side, engine in enumerate(engines):
+            if engine.has_unfinished():
+                t0 = time.perf_counter()
+                engine.step()
+                elapsed[side] += time.perf_counter() - t0
+    plain, constrained = (
+        (e.counters.num_generated_tokens - n) / t
+        for e, n, t in zip(engines, start_tokens, elapsed, strict=True)
+    )
+    return plain, constrained
 
 
 def ttft(engine: Any, repeats: int) -> tuple[float, float]:
@@ -90,7 +113,7 @@ def ttft(engine: Any, repeats: int) -> tuple[float, float]:
         schema = json.loads(json.dumps(SCHEMA))
         schema["properties"][f"field_{r}_{time.time_ns()}"] = {"type": "integer"}
         for bucket, rid in ((cold, f"cold{r}"), (warm, f"warm{r}")):
-            engine.add_request(rid, "Describe a book as JSON.", params(2, seed=r, schema=schema))
+            engine.add_request(rid, "Describe a book as JSON.", params(24, seed=r, schema=schema))
             out = drain(engine)[rid]
             bucket.append(out.metrics.ttft)
     return statistics.median(cold), statistics.median(warm)
@@ -111,7 +134,9 @@ def jump_share(engine: Any, per_subset: int, max_tokens: int) -> dict[str, Any]:
     ids = []
     for i, (subset, schema) in enumerate(bench_schemas(per_subset)):
         try:
-            engine.add_request(f"j{i}", "Reply with a JSON example.", params(max_tokens, seed=i, schema=schema))
+            engine.add_request(
+                f"j{i}", "Reply with a JSON example.", params(max_tokens, seed=i, schema=schema)
+            )
             ids.append((f"j{i}", subset))
         except StructuredOutputError:
             pass
@@ -124,7 +149,9 @@ def jump_share(engine: Any, per_subset: int, max_tokens: int) -> dict[str, Any]:
         "requests": len(ids),
         "served": len(served),
         "finished_stop": sum(o.finish_reason == "stop" for o in outs),
-        "valid_of_stopped": sum(bool(o.structured and o.structured.valid) for o in outs if o.finish_reason == "stop"),
+        "valid_of_stopped": sum(
+            bool(o.structured and o.structured.valid) for o in outs if o.finish_reason == "stop"
+        ),
         "tokens": total,
         "forced": forced,
         "share": forced / total if total else 0.0,
@@ -146,19 +173,18 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"model": args.model or "smollm2-135m (default)"}
-    plain_tps, _ = throughput(make_engine(args.model, jump_forward=False), args.batch, args.max_tokens, None)
-    json_tps, _ = throughput(make_engine(args.model, jump_forward=False), args.batch, args.max_tokens, SCHEMA)
-    # Second pair in the opposite order, so drift of the shared CPU does not favour one side.
-    json_tps2, _ = throughput(make_engine(args.model, jump_forward=False), args.batch, args.max_tokens, SCHEMA)
-    plain_tps2, _ = throughput(make_engine(args.model, jump_forward=False), args.batch, args.max_tokens, None)
-    plain, constrained = (plain_tps + plain_tps2) / 2, (json_tps + json_tps2) / 2
+    plain, constrained = throughput(args.model, args.batch, args.max_tokens, LONG_SCHEMA)
     result["a_throughput"] = {
         "unconstrained_tok_s": round(plain, 1),
         "json_schema_tok_s": round(constrained, 1),
         "ratio": round(constrained / plain, 3),
     }
     cold, warm = ttft(make_engine(args.model), args.ttft_repeats)
-    result["c_ttft"] = {"never_seen_s": round(cold, 3), "cached_s": round(warm, 3), "ratio": round(cold / warm, 2)}
+    result["c_ttft"] = {
+        "never_seen_s": round(cold, 3),
+        "cached_s": round(warm, 3),
+        "ratio": round(cold / warm, 2),
+    }
     result["d_jump_forward"] = jump_share(make_engine(args.model), args.per_subset, args.max_tokens * 2)
     print(json.dumps(result, indent=2))
 

@@ -31,7 +31,33 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON Schema")
+    shape.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
+    shape.add_argument("--regex", metavar="RX", help="constrain the output to fully match this regex")
+    shape.add_argument("--choice", metavar="A,B,C", help="constrain the output to one of these strings")
+    shape.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or EBNF grammar")
+    gen.add_argument("--strict", action="store_true", help="fail instead of returning an invalid output")
     return parser
+
+
+def _structured_outputs(args: argparse.Namespace) -> object | None:
+    from pathlib import Path
+
+    from structgen.structured import StructuredOutputsParams
+
+    strict = {"strict": args.strict}
+    if args.json_schema:
+        return StructuredOutputsParams(json=Path(args.json_schema).read_text(), **strict)
+    if args.json_object:
+        return StructuredOutputsParams(json_object=True, **strict)
+    if args.regex:
+        return StructuredOutputsParams(regex=args.regex, **strict)
+    if args.choice:
+        return StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c], **strict)
+    if args.grammar:
+        return StructuredOutputsParams(grammar=Path(args.grammar).read_text(), **strict)
+    return None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -44,8 +70,9 @@ def _run_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             stop=args.stop,
+            structured_outputs=_structured_outputs(args),  # type: ignore[arg-type]
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
@@ -58,6 +85,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     completion = outputs[0].outputs[0]
     print(completion.text)
     print(f"[finish_reason={completion.finish_reason} tokens={len(completion.token_ids)}]", file=sys.stderr)
+    report = completion.structured
+    if report is not None:
+        print(
+            f"[structured backend={report.backend} path={report.path} valid={report.valid} "
+            f"retries={report.retries} forced_tokens={report.forced_tokens}"
+            + (f" error={report.error}" if report.error else "")
+            + "]",
+            file=sys.stderr,
+        )
+    if completion.finish_reason == "error":
+        print(f"structgen generate: {completion.error}", file=sys.stderr)
+        return 1
     return 0
 
 

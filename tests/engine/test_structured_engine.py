@@ -7,6 +7,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ from engine_helpers import EngineFactory
 from structgen.engine.llm_engine import LLM
 from structgen.engine.sequence import SequenceStatus
 from structgen.sampling_params import SamplingParams
-from structgen.structured import StructuredOutputConfig, StructuredOutputError, StructuredOutputsParams
+from structgen.structured import (
+    StructuredOutputConfig,
+    StructuredOutputError,
+    StructuredOutputsParams,
+    compile_spec,
+)
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 PERSON = {
@@ -78,6 +84,16 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(make_engine: EngineFact
     expected = {rid: out.outputs[0].token_ids for rid, out in run_all(alone).items()}
 
     mixed = make_engine()
+    # Serve the regex with xgrammar and the choice with outlines (the JSON Schema with llguidance): seed the
+    # compile cache with those backends' grammars, so one step's mask mixes all three.
+    manager = mixed.structured.ensure_manager()
+    for spec, backend in (
+        (StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}").to_spec(), "xgrammar"),
+        (StructuredOutputsParams(choice=["yes", "no", "maybe"]).to_spec(), "outlines"),
+    ):
+        seeded: Future[Any] = Future()
+        seeded.set_result(compile_spec(spec, [manager.backend(backend)]))
+        manager._cache[manager.cache_key(spec)] = seeded
     for i, prompt in enumerate(prompts):
         mixed.add_request(f"p{i}", prompt, plain)
     mixed.add_request("json", "A person:", _structured(json=PERSON))
@@ -90,6 +106,7 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(make_engine: EngineFact
     date = got["regex"].outputs[0]
     assert date.finish_reason == "stop" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.text)
     assert got["choice"].outputs[0].text in ("yes", "no", "maybe")
+    assert (date.structured.backend, got["choice"].outputs[0].structured.backend) == ("xgrammar", "outlines")
     person = got["json"].outputs[0]
     if person.finish_reason == "stop":
         jsonschema.validate(json.loads(person.text), PERSON)
@@ -263,3 +280,45 @@ def test_default_model_outputs_satisfy_real_specs(smollm: LLM) -> None:
     assert language.finish_reason == "stop" and language.text in choices
     stats = smollm.engine.stats()
     assert stats.num_grammar_errors == 0 and stats.kv_blocks_used == 0
+
+
+UNIQUE = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 3, "uniqueItems": True}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_relaxed_schema_is_validated_and_retried(make_engine: EngineFactory, strict: bool) -> None:
+    engine = make_engine()
+    for i in range(6):
+        spec = StructuredOutputsParams(json=UNIQUE, strict=strict)
+        engine.add_request(
+            f"u{i}", "Three numbers:", SamplingParams(seed=i, max_tokens=20, structured_outputs=spec)
+        )
+    done = run_all(engine)
+    retries = 0
+    for i in range(6):
+        out = done[f"u{i}"].outputs[0]
+        report = out.structured
+        assert report is not None and report.path == "relaxed"
+        retries += report.retries
+        if out.finish_reason == "stop":
+            valid = len(set(json.loads(out.text))) == 3
+            assert report.valid is valid and report.complete
+            if not valid:  # presented flagged, never as valid, and only after every allowed retry
+                assert not strict and report.retries == 3 and report.error
+        elif out.finish_reason == "error":
+            assert strict and report.retries == 3 and not report.valid and out.error
+        else:
+            assert out.finish_reason == "length" and not report.valid
+    assert engine.stats().num_structured_retries == retries > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_cli_generate_with_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from structgen.cli import main
+
+    code = main(
+        ["generate", "--model", "tiny", "--device", "cpu", "--raw", "--prompt", "Pick:", "--choice", "yes,no"]
+    )
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.strip() in ("yes", "no")
+    assert "valid=True" in captured.err
