@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +11,6 @@ from engine_helpers import EngineFactory
 
 from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
 from structgen.engine.llm_engine import LLMEngine
-
-
-@pytest.fixture(autouse=True, scope="package")
-def _single_torch_thread() -> Iterator[None]:
-    # The tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine spin-waiting
-    # threads make each forward many times slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

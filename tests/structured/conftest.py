@@ -4,26 +4,16 @@ instance of each grammar backend built on it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from structgen.models.registry import resolve_model
 from structgen.structured import StructuredBackend, TokenizerInfo, create_backend
 from structgen.tokenizer import Tokenizer
 
 BACKENDS = ("llguidance", "xgrammar", "outlines")
-
-
-@pytest.fixture(autouse=True, scope="package")
-def _single_torch_thread() -> Iterator[None]:
-    # Tensors here are small; extra intra-op threads only spin on the shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
