@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from paged_harness import randomize_weights_
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -297,13 +298,6 @@ def random_hf_model(model_type: str, *, seed: int = 0, **overrides: Any) -> Any:
     }
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings)).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.uniform_(0.5, 1.5)
-            elif param_name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
-    return model
+    return randomize_weights_(
+        getattr(transformers, model_name)(getattr(transformers, config_name)(**settings)).eval()
+    )

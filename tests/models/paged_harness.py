@@ -56,6 +56,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def randomize_weights_(model: Any) -> Any:
+    """Weights with a spread that makes parity tests meaningful (HF's tiny init leaves logits nearly flat)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+    return model
+
+
 def hf_tiny_model(architecture: str, overrides: dict[str, Any], out_dir: Path, *, seed: int = 0) -> Any:
     """A random transformers model of the family, saved with `save_pretrained` (safetensors) into `out_dir`.
 
@@ -67,15 +80,7 @@ def hf_tiny_model(architecture: str, overrides: dict[str, Any], out_dir: Path, *
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_class(**{**TINY, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+    model = randomize_weights_(getattr(transformers, architecture)(config).eval())
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out_dir, safe_serialization=True)

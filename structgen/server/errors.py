@@ -1,0 +1,96 @@
+"""OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`, and the handlers that produce them.
+
+Every failure leaves the server through one of these, so clients (the `openai` SDK included) always get the
+shape they parse, and no traceback ever reaches a response body.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# The `type` OpenAI reports for each status it uses.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to send as an OpenAI error body with `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(
+        error_body(error.status, error.message, param=error.param, code=error.code),
+        status_code=error.status,
+        headers=headers,
+    )
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line for the first problem, and the offending field as OpenAI's `param` names it."""
+    problems = error.errors()
+    if not problems:
+        return "invalid request body", None
+    first = problems[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    text = f"{param}: {message}" if param else message
+    if len(problems) > 1:
+        text += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers a bad body with 400, not FastAPI's 422 `{"detail": [...]}`.
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
