@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from structgen.engine.llm_engine import LLM
+from structgen.engine.llm import LLM
 from structgen.models.registry import resolve_model
 from structgen.sampling_params import SamplingParams
 

@@ -13,13 +13,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from structgen.engine.llm_engine import LLM
+    from structgen.engine.llm import LLM
     from structgen.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from structgen.engine.llm_engine import LLM
+        from structgen.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from structgen.engine.async_engine import AsyncEngine
-    from structgen.engine.llm_engine import LLM, LLMEngine
+    from structgen.engine.llm import LLM
+    from structgen.engine.llm_engine import LLMEngine
     from structgen.engine.metrics import EngineStats, RequestMetrics
     from structgen.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
     from structgen.engine.sequence import SequenceStatus
 
 _EXPORTS = {
     "AsyncEngine": "structgen.engine.async_engine",
-    "LLM": "structgen.engine.llm_engine",
+    "LLM": "structgen.engine.llm",
     "LLMEngine": "structgen.engine.llm_engine",
     "EngineStats": "structgen.engine.metrics",
     "RequestMetrics": "structgen.engine.metrics",

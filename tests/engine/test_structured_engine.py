@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from engine_helpers import EngineFactory
 
-from structgen.engine.llm_engine import LLM
+from structgen.engine.llm import LLM
 from structgen.engine.sequence import SequenceStatus
 from structgen.sampling_params import SamplingParams
 from structgen.structured import (

@@ -1,0 +1,136 @@
+"""`LLM`: offline batch generation on top of `LLMEngine`, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import TYPE_CHECKING, Any
+
+from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+from structgen.engine.inputs import PromptInput
+from structgen.engine.llm_engine import LLMEngine
+from structgen.engine.outputs import RequestOutput
+from structgen.engine.progress import progress_bar
+from structgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.structured import StructuredOutputConfig
+    from structgen.tokenizer import Tokenizer
+
+
+class LLM:
+    """Offline batch generation, vLLM-style: `LLM(model="tiny").generate(prompts, SamplingParams(...))`."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        seed: int = 0,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+        structured: StructuredOutputConfig | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_tokens=kv_cache_tokens,
+                gpu_memory_utilization=gpu_memory_utilization,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            structured=structured,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One finished `RequestOutput` per prompt, in input order. `params` is shared or one per prompt.
+
+        `use_tqdm` shows a progress bar (default: for 8+ prompts when stderr is a terminal).
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[PromptInput] = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, list):
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
+            param_list = params
+        else:
+            param_list = [params if params is not None else SamplingParams()] * len(prompt_list)
+        return self._run(prompt_list, param_list, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            )
+            token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptInput], params: list[SamplingParams], *, use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(request_id, prompt, p, stream=False)
+        except Exception:
+            engine.abort(ids)
+            raise
+        if use_tqdm is None:
+            use_tqdm = len(prompts) >= 8 and sys.stderr.isatty()
+        results: dict[str, RequestOutput] = {}
+        with progress_bar(len(prompts), enabled=use_tqdm) as advance:
+            try:
+                while len(results) < len(ids):
+                    for out in engine.step():
+                        results[out.request_id] = out
+                        advance(sum(len(o.token_ids) for o in out.outputs))
+            except BaseException:
+                engine.abort(ids)
+                raise
+        return [results[request_id] for request_id in ids]
