@@ -38,6 +38,29 @@ def _build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--choice", metavar="A,B,C", help="constrain the output to one of these strings")
     shape.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or EBNF grammar")
     gen.add_argument("--strict", action="store_true", help="fail instead of returning an invalid output")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_args(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)"
+    )
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer K' (default: $STRUCTGEN_API_KEY)"
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    serve.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens (default: sized from memory)",
+    )
+    serve.add_argument(
+        "--structured-backend",
+        default="auto",
+        choices=["auto", "llguidance", "xgrammar", "outlines"],
+        help="grammar backend for structured outputs",
+    )
     return parser
 
 
@@ -100,6 +123,42 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import uvicorn
+
+    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+    from structgen.engine.async_engine import AsyncEngine
+    from structgen.engine.llm_engine import LLMEngine
+    from structgen.server import build_app
+    from structgen.structured import StructuredOutputConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+            structured=StructuredOutputConfig(backend=args.structured_backend),
+        )
+    except ValueError as exc:
+        print(f"structgen serve: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(LLMEngine(config))
+    api_key = args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
+    app = build_app(engine, engine.engine.tokenizer, model_name=args.model or "smollm2-135m", api_key=api_key)
+    try:
+        # Our middleware writes the one line per request; uvicorn's access log would repeat it.
+        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_config=None)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from structgen.errors import StructgenError
@@ -107,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "serve":
+            return _run_serve(args)
     except StructgenError as exc:
         print(f"structgen {args.command}: {exc}", file=sys.stderr)
         return 1

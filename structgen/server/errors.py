@@ -44,7 +44,9 @@ class APIError(Exception):
         self.code = code
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from structgen.engine.outputs import TokenLogprob
 from structgen.sampling_params import SamplingParams
 from structgen.server.errors import APIError
 
@@ -57,7 +58,10 @@ class _SamplingFields(_Request):
         given = {
             name: value
             for name, value in (
-                ("response_format", response_format if (response_format or {}).get("type") != "text" else None),
+                (
+                    "response_format",
+                    response_format if (response_format or {}).get("type") != "text" else None,
+                ),
                 ("guided_json", self.guided_json),
                 ("guided_regex", self.guided_regex),
                 ("guided_choice", self.guided_choice),
@@ -74,7 +78,16 @@ class _SamplingFields(_Request):
         if name == "response_format":
             return StructuredOutputsParams.from_response_format(value)
         if name == "structured_outputs":
-            known = {"json", "json_object", "regex", "grammar", "choice", "whitespace", "max_whitespace", "strict"}
+            known = {
+                "json",
+                "json_object",
+                "regex",
+                "grammar",
+                "choice",
+                "whitespace",
+                "max_whitespace",
+                "strict",
+            }
             unknown = sorted(set(value) - known)
             if unknown:
                 raise APIError(400, f"unknown structured_outputs field(s): {', '.join(unknown)}", param=name)
@@ -82,7 +95,9 @@ class _SamplingFields(_Request):
         key = name.removeprefix("guided_")
         return StructuredOutputsParams(**{key: value})
 
-    def _sampling_params(self, max_tokens: int | None, response_format: dict[str, Any] | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, response_format: dict[str, Any] | None, logprobs: int | None
+    ) -> SamplingParams:
         """The engine's view of this request; a bad value is a 400 that names the field."""
         try:
             optional = {
@@ -100,6 +115,7 @@ class _SamplingFields(_Request):
                 seed=self.seed,
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
                 min_tokens=self.min_tokens,
                 structured_outputs=self._structured(response_format),
                 **{k: v for k, v in optional.items() if v is not None},
@@ -125,7 +141,9 @@ class ChatMessage(_Request):
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise APIError(
-                        400, f"only text content parts are supported, got {part.get('type')!r}", param="messages"
+                        400,
+                        f"only text content parts are supported, got {part.get('type')!r}",
+                        param="messages",
                     )
                 texts.append(part["text"])
             content = "".join(texts)
@@ -145,10 +163,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, self.response_format)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, self.response_format, logprobs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -158,11 +177,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported by this server yet", param="echo")
-        return self._sampling_params(self.max_tokens, None)
+        return self._sampling_params(self.max_tokens, None, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -204,7 +221,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 
@@ -227,7 +244,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -244,7 +261,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 
@@ -260,3 +277,37 @@ class Completion(BaseModel):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _token_text(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for these sampled tokens."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    content = [
+        one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top_logprobs]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Any, entries: list[TokenLogprob], *, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; `offset` is where the first token starts in the choice's text."""
+    tokens = [_token_text(tokenizer, e.token_id)[0] for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(tokenizer, t)[0]: lp for t, lp in e.top_logprobs} for e in entries],
+        "text_offset": offsets,
+    }
