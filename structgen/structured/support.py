@@ -73,8 +73,12 @@ class SchemaSupport:
                 )
         if not self.multiple_of_non_integer and "multipleOf" in node and node.get("type") != "integer":
             out.append(Unsupported("multipleOf", path, "multipleOf is enforced for integers only"))
-        if not self.several_all_of and isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            out.append(Unsupported("allOf", path, "allOf with several branches is not intersected"))
+        if not self.several_all_of and isinstance(node.get("allOf"), list):
+            # Normalization folds mergeable branches into the node, so a lone branch left beside other
+            # assertions (e.g. `type: string` + `allOf: [{type: integer}]`) still needs a real intersection.
+            beside = [k for k in node if k in ASSERTION_KEYWORDS and k != "allOf"]
+            if len(node["allOf"]) > 1 or (node["allOf"] and beside):
+                out.append(Unsupported("allOf", path, "allOf is not intersected with other assertions"))
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
             out.append(Unsupported("$ref", path, f"$ref {ref!r} is not local and cannot be fetched offline"))

@@ -100,6 +100,29 @@ def test_unsatisfiable_schema_is_refused_plainly(backends) -> None:
     assert err.value.path == "#"
 
 
+def test_all_of_branch_beside_other_assertions_is_not_left_to_xgrammar(backends) -> None:
+    # Normalization leaves a branch it cannot merge beside the node's own keywords; xgrammar would not
+    # intersect them, so it refuses and `auto` serves the schema with llguidance.
+    schema = {"type": "integer", "minimum": 0, "allOf": [{"minimum": 5}]}
+    assert [u.keyword for u in backends["xgrammar"].find_unsupported(schema)] == ["allOf"]
+    with pytest.raises(UnsupportedSchemaError) as err:
+        _compile(backends, schema, names=("xgrammar",))
+    assert err.value.keyword == "allOf" and err.value.path == "#"
+    compiled = _compile(backends, schema)
+    assert (compiled.backend, compiled.serving_path) == ("llguidance", "exact")
+
+
+def test_contradictory_all_of_is_never_served_as_exact(backends) -> None:
+    # Normalization folds the first branch into the node; xgrammar used to take the rest as "exact" and emit
+    # integers for a schema that no value satisfies.
+    schema = {"allOf": [{"type": "string"}, {"type": "integer"}]}
+    try:
+        compiled = _compile(backends, schema)
+    except UnsupportedSchemaError:
+        return
+    assert compiled.serving_path == "relaxed" and compiled.needs_validation
+
+
 def test_non_json_kinds_fall_back_by_kind(backends) -> None:
     spec = StructuredOutputsParams(grammar='root ::= "a" | "b"').to_spec()
     assert compile_spec(spec, [backends["outlines"], backends["xgrammar"]]).backend == "xgrammar"
