@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from engine_helpers import EngineFactory
+from engine_helpers import EngineFactory, run_all
 
 from structgen.engine.llm import LLM
 from structgen.engine.sequence import SequenceStatus
@@ -42,22 +41,6 @@ FORCED = {
     "required": ["a_rather_long_property_name_for_testing", "another_long_property_name_that_is_forced"],
     "additionalProperties": False,
 }
-
-
-def run_all(engine: Any, max_steps: int = 2000) -> dict[str, Any]:
-    """Step until every request finished (idle steps, while grammars compile, sleep and do not count)."""
-    finished: dict[str, Any] = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if engine.last_step_num_tokens == 0:
-            time.sleep(0.002)
-            continue
-        steps += 1
-        assert steps < max_steps, "engine made no progress"
-    return finished
 
 
 def _structured(max_tokens: int = 40, temperature: float = 0.0, seed: int | None = None, **spec: Any):
