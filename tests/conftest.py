@@ -1,11 +1,20 @@
-"""Settings for the whole suite."""
+"""Settings for the whole suite, and the SmolLM2 engine shared by every test that needs outputs that finish."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+# Helpers shared across test folders (`shared_data`, `live_server`) are imported by bare name, like the
+# per-folder ones.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SMOLLM2_KV_CACHE_TOKENS = 8192
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -16,3 +25,22 @@ def _single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine() -> Iterator[Any]:
+    """One `AsyncEngine` on the default SmolLM2-135M model for the whole session (loading it costs seconds).
+    Tests that share it must leave it idle (every request finished or aborted) when they end."""
+    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+    from structgen.engine.async_engine import AsyncEngine
+    from structgen.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model="smollm2-135m",
+        device="cpu",
+        cache=CacheConfig(kv_cache_tokens=SMOLLM2_KV_CACHE_TOKENS),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    yield engine
+    engine.shutdown()

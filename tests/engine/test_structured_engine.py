@@ -7,12 +7,12 @@ import json
 import re
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from engine_helpers import EngineFactory, run_all
+from shared_data import DATA
 
 from structgen.engine.llm import LLM
 from structgen.engine.sequence import SequenceStatus
@@ -24,7 +24,6 @@ from structgen.structured import (
     compile_spec,
 )
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},

@@ -7,16 +7,13 @@ import asyncio
 import json
 import logging
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import serve, wait_idle
 
 from structgen.config import CacheConfig, EngineConfig
 from structgen.engine.async_engine import AsyncEngine
@@ -71,15 +68,6 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str
     for word in words:
         assert word in message, message
     return body["error"]
-
-
-def assert_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished():
-        assert time.monotonic() < deadline, "a request never left the engine"
-        time.sleep(0.01)
-    bm = engine.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
 
 
 # -- shapes over ASGI -----------------------------------------------------------------------------------------
@@ -235,7 +223,7 @@ def test_error_bodies_then_a_normal_request_still_works(app: Any, engine: AsyncE
     assert_error(call(app, "GET", "/v1/nothing-here"), 404)
     ok = call(app, "POST", chat, json={"messages": USER, "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
-    assert_idle(engine)
+    wait_idle(engine)
 
 
 # -- the official SDK against uvicorn -------------------------------------------------------------------------
@@ -243,21 +231,8 @@ def test_error_bodies_then_a_normal_request_still_works(app: Any, engine: AsyncE
 
 @pytest.fixture(scope="module")
 def server_url(app: Any) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve(app) as url:
+        yield url
 
 
 def test_openai_sdk_plain_streamed_and_json_schema(server_url: str) -> None:
@@ -324,5 +299,5 @@ def test_client_disconnect_frees_the_kv_blocks(server_url: str, engine: AsyncEng
                 assert response.status_code == 200
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")  # mid-stream: then hang up
-    assert_idle(engine)
+    wait_idle(engine)
     assert engine.engine.stats().num_requests_aborted == aborted + 3

@@ -10,16 +10,15 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from shared_data import VLLM_SAMPLES as SAMPLES
 from structured_helpers import accepts_text, allowed_tokens, walk
 
 from structgen.structured import StructuredOutputsParams, UnsupportedSchemaError
 
-SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "data" / "vllm-samples"
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from shared_data import VLLM_SAMPLES as SAMPLES
 
 from structgen.structured import (
     CompileTimeoutError,
@@ -18,8 +18,6 @@ from structgen.structured import (
     UnsupportedSchemaError,
     apply_token_bitmask_,
 )
-
-SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "data" / "vllm-samples"
 
 
 def _spec(i: int):

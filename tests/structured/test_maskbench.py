@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_data import JSONSCHEMABENCH as DATA
 from structured_helpers import accepts_text
 
 from structgen.structured import (
@@ -24,7 +24,6 @@ from structgen.structured import (
 )
 from structgen.structured.validate import validate_json
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 # xgrammar and outlines-core take about a second per compile on a 100k vocabulary: they get half the sample.
 PER_SUBSET = {"llguidance": 4, "xgrammar": 2, "outlines": 2, "auto": 4}
 

@@ -5,15 +5,14 @@ exactly when vLLM says they should match."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_data import VLLM_SAMPLES as SAMPLES
 from structured_helpers import accepts_text
 
 from structgen.structured import CompiledSpec, StructuredOutputsParams, compile_spec
 
-SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "data" / "vllm-samples"
 AUTO = ("llguidance", "xgrammar", "outlines")
 
 # A valid compact output for each schema file.
