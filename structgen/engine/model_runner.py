@@ -17,10 +17,13 @@ import numpy as np
 import torch
 
 from structgen.attention import AttentionMetadata, KVCache, allocate_kv_cache
+from structgen.distributed.step_io import StepInput
 from structgen.engine.block_manager import cdiv
+from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
 from structgen.engine.scheduler import SchedulerOutput
 from structgen.engine.sequence import Sequence
+from structgen.engine.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,8 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], torch.Tensor | None]
-"""`(logits [num_sampling_seqs, vocab] float32, sampling seqs) -> logits` (or None after editing in place)."""
+LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], "torch.Tensor | TokenMask | None"]
+"""`(logits [num_sampling_seqs, vocab] float32, sampling seqs) -> logits` (or None after editing in place, or a
+`TokenMask` for the sampler to apply where it changes the pick)."""
 
 
 class ModelRunner:
@@ -44,6 +48,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         num_valid_tokens: int | None = None,
         sampler: Sampler | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         config = model.config  # type: ignore[attr-defined]
         self.model = model
@@ -52,7 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.num_layers: int = config.num_hidden_layers
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.num_kv_heads: int = model.num_local_kv_heads  # type: ignore[attr-defined]  (this rank's share)
         self.head_dim: int = config.head_dim
         self.vocab_size: int = config.vocab_size
         # Embedding rows past the tokenizer's vocabulary are padding; the model must never sample them.
@@ -61,6 +66,11 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         self._pin = device.type == "cuda"
+        # Decode steps replay CUDA graphs (CUDA + Triton attention only) unless `enforce_eager`.
+        self.enforce_eager = enforce_eager
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        # Tensor parallelism (rank 0): hands each step to the workers before the local forward runs.
+        self.step_sender: Callable[[StepInput], None] | None = None
 
     # -- KV cache ----------------------------------------------------------------------------------------------
 
@@ -150,6 +160,17 @@ class ModelRunner:
             device=self.device,
         )
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and not self.enforce_eager and uses_triton_attention(self.model):
+            self.cuda_graphs = CUDAGraphRunner(
+                self.model,
+                self.kv_caches,
+                block_size=self.block_size,
+                max_context_len=min(
+                    self.model.config.max_position_embeddings,  # type: ignore[attr-defined]
+                    num_blocks * self.block_size,
+                ),
+                device=self.device,
+            )
 
     # -- the step ----------------------------------------------------------------------------------------------
 
@@ -162,12 +183,15 @@ class ModelRunner:
         if batch.blocks_to_copy:
             self._copy_blocks(batch.blocks_to_copy)
         input_ids, positions, metadata = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        if not batch.sample_seqs:
-            return SamplerOutput(token_ids=[]), []
         rows = sorted(set(batch.sample_indices))
         ends = list(accumulate(metadata.query_lens_cpu))
-        index = torch.tensor([ends[i] - 1 for i in rows], device=self.device)  # each row's last new token
+        # Each sampling row's last new token.
+        index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
+        if self.step_sender is not None:
+            self.step_sender(StepInput(input_ids, positions, metadata, index, batch.blocks_to_copy))
+        hidden = self._forward(input_ids, positions, metadata)
+        if not batch.sample_seqs:
+            return SamplerOutput(token_ids=[]), []
         logits = self.model.compute_logits(hidden.index_select(0, index))  # type: ignore[operator]
         if len(rows) != len(batch.sample_indices):  # forks sample from their parent's row
             position = {row: j for j, row in enumerate(rows)}
@@ -175,9 +199,12 @@ class ModelRunner:
             logits = logits.index_select(0, pick)
         if self.num_valid_tokens < logits.shape[1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
+        mask: TokenMask | None = None
         if logits_processor is not None:
             processed = logits_processor(logits, batch.sample_seqs)
-            if processed is not None:
+            if isinstance(processed, TokenMask):
+                mask = processed
+            elif processed is not None:
                 logits = processed
         sampling_rows = [
             SamplingRow(
@@ -190,12 +217,26 @@ class ModelRunner:
             for seq in batch.sample_seqs
         ]
         try:
-            return self.sampler(logits, sampling_rows), []
+            return self.sampler(logits, sampling_rows, mask=mask), []
         except SamplerError as error:
             failed = sorted(set(error.rows))
         good = [i for i in range(len(sampling_rows)) if i not in set(failed)]
-        out = self.sampler(logits[good], [sampling_rows[i] for i in good]) if good else SamplerOutput([])
+        rest = mask.subset(good) if mask is not None else None
+        out = (
+            self.sampler(logits[good], [sampling_rows[i] for i in good], mask=rest)
+            if good
+            else SamplerOutput([])
+        )
         return _spread(out, good, len(sampling_rows)), failed
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        graphs = self.cuda_graphs
+        # Tensor-parallel workers run their forward eagerly; rank 0 must issue the same collectives.
+        if graphs is not None and self.step_sender is None and graphs.can_run(metadata):
+            return graphs.run(input_ids, positions, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

@@ -19,14 +19,14 @@ stay impossible. A row with nothing possible (or NaN / +inf logits) raises `Samp
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from structgen.engine.penalties import apply_penalties, ban_tokens
+from structgen.engine.token_mask import TokenMask
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
 from structgen.errors import StructgenError
 from structgen.sampling_params import SamplingParams
@@ -90,29 +90,37 @@ class Sampler:
         # None draws unseeded rows from torch's default generator (seeded by torch.manual_seed).
         self.generator = generator
 
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, rows: Sequence[SamplingRow], *, mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """One token per row. `mask` (the structured-output mask) is applied only where it changes the pick:
+        see `structgen.engine.token_mask` for why that is exact."""
         raw = self._check_inputs(logits, rows)
         batch = raw.shape[0]
         if batch == 0:
             return SamplerOutput(token_ids=[])
+        lazy: list[int] = []
+        if mask is not None:
+            eager = [i for i in mask.rows if _needs_masked_distribution(rows[i].params)]
+            lazy = [i for i in mask.rows if not _needs_masked_distribution(rows[i].params)]
+            mask.apply(raw, eager)
         x = _apply_history(raw, rows)
         token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
         ok = torch.empty(batch, dtype=torch.bool, device=raw.device)
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if greedy:
-            part = x if len(greedy) == batch else x[greedy]
-            best = part.argmax(dim=1)
-            token_ids[greedy] = best
-            ok[greedy] = torch.isfinite(part.gather(1, best.unsqueeze(1)).squeeze(1))
         # A call that raises puts the generators back, so the engine can rerun the good rows and seeded
         # ones still get the tokens they would have got without the dead row in their batch.
-        generators = [rows[i].generator for i in sampled] + [self.generator]
+        generators = [row.generator for row in rows if not row.params.greedy] + [self.generator]
         saved = [(g, g.get_state()) for g in generators if g is not None]
-        if sampled:
-            picks, picked_ok = self._sample(x, sampled, rows, owned=x is not raw)
-            token_ids[sampled] = picks
-            ok[sampled] = picked_ok
+        # With lazy rows, x must stay unscaled for their second pick.
+        self._pick(x, range(batch), rows, token_ids, ok, owned=x is not raw and not lazy)
+        if lazy:
+            allowed = mask.allows(lazy, token_ids[lazy])  # type: ignore[union-attr]
+            rejected = [i for i, good in zip(lazy, allowed, strict=True) if not good]
+            if rejected:
+                mask.apply(x, rejected)  # type: ignore[union-attr]
+                if x is not raw:  # so that a row left with nothing is reported as the mask's doing
+                    mask.apply(raw, rejected)  # type: ignore[union-attr]
+                self._pick(x, rejected, rows, token_ids, ok, owned=False)
         ids = token_ids.tolist()
         bad = [i for i, good in enumerate(ok.tolist()) if not good]
         if bad:
@@ -121,6 +129,29 @@ class Sampler:
             raise _dead_rows_error(raw, bad)
         logprobs, top_logprobs = _logprobs(raw, rows, token_ids)
         return SamplerOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def _pick(
+        self,
+        x: Tensor,
+        indices: Iterable[int],
+        rows: Sequence[SamplingRow],
+        token_ids: Tensor,
+        ok: Tensor,
+        *,
+        owned: bool,
+    ) -> None:
+        """Pick the tokens of rows `indices` of `x` into `token_ids` (and whether each row had any)."""
+        greedy = [i for i in indices if rows[i].params.greedy]
+        sampled = [i for i in indices if not rows[i].params.greedy]
+        if greedy:
+            part = x if len(greedy) == x.shape[0] else x[greedy]
+            best = part.argmax(dim=1)
+            token_ids[greedy] = best
+            ok[greedy] = torch.isfinite(part.gather(1, best.unsqueeze(1)).squeeze(1))
+        if sampled:
+            picks, picked_ok = self._sample(x, sampled, rows, owned=owned)
+            token_ids[sampled] = picks
+            ok[sampled] = picked_ok
 
     def _sample(
         self, x: Tensor, indices: list[int], rows: Sequence[SamplingRow], *, owned: bool
@@ -134,15 +165,22 @@ class Sampler:
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):
             scale = torch.tensor(temperatures, dtype=part.dtype, device=part.device).unsqueeze(1)
-            part = part.div_(scale) if owned else part / scale
-        probs = part.softmax(dim=1)
+            part, owned = (part.div_(scale) if owned else part / scale), True
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            apply_top_k_top_p(probs, top_k, top_p)
         min_p = [p.min_p for p in params]
-        if any(p > 0.0 for p in min_p):
-            apply_min_p(probs, min_p)
+        truncate = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
+        if truncate or any(p > 0.0 for p in min_p):
+            probs = part.softmax(dim=1)  # the truncations compare normalized probabilities
+            if truncate:
+                apply_top_k_top_p(probs, top_k, top_p)
+            if any(p > 0.0 for p in min_p):
+                apply_min_p(probs, min_p)
+        else:
+            # The draw scales by each row's total anyway: skip softmax's normalizing pass. A row that is all
+            # -inf, or holds NaN / +inf, turns NaN here and is reported as dead by the draw.
+            top = part.amax(dim=1, keepdim=True)
+            probs = part.sub_(top).exp_() if owned else (part - top).exp_()
         uniforms = self._uniforms([rows[i] for i in indices], probs.device)
         return _inverse_cdf(probs, uniforms)
 
@@ -206,6 +244,13 @@ def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     return x
 
 
+def _needs_masked_distribution(params: SamplingParams) -> bool:
+    """Rows whose result depends on the masked distribution as a whole, not only on which token wins."""
+    if params.logprobs is not None:
+        return True
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
+
+
 def _has_penalty(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -227,17 +272,22 @@ def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
     batch, vocab = probs.shape
     block = min(vocab, _CDF_BLOCK)
     num_blocks = -(-vocab // block)
-    padded = F.pad(probs, (0, num_blocks * block - vocab)) if num_blocks * block != vocab else probs
-    blocks = padded.view(batch, num_blocks, block)
-    block_cum = blocks.sum(dim=2).double().cumsum(dim=1)
+    full = vocab // block
+    # Block sums without padding the whole [B, V] (a copy that costs as much as the draw): the full blocks
+    # are a view, the short last block is summed on its own.
+    sums = probs.new_empty(batch, num_blocks)
+    sums[:, :full] = probs[:, : full * block].view(batch, full, block).sum(dim=2)
+    if full < num_blocks:
+        sums[:, full] = probs[:, full * block :].sum(dim=1)
+    block_cum = sums.double().cumsum(dim=1)
     total = block_cum[:, -1:]
     ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
     target = uniforms.double().unsqueeze(1) * total
     chosen_block = _search(block_cum, target).clamp_max(num_blocks - 1)
     before = block_cum.gather(1, (chosen_block - 1).clamp_min(0)).masked_fill_(chosen_block == 0, 0.0)
-    inner_cum = (
-        blocks[torch.arange(batch, device=probs.device), chosen_block.squeeze(1)].double().cumsum(dim=1)
-    )
+    columns = chosen_block * block + torch.arange(block, device=probs.device)
+    inner = probs.gather(1, columns.clamp_max(vocab - 1)).masked_fill_(columns >= vocab, 0.0)
+    inner_cum = inner.double().cumsum(dim=1)
     # Where the target falls within the block, as a fraction of the block's float32-summed mass, placed on
     # the block's exact float64 cumsum: the float32 sum of a block near 1.0 is off by a few of its ulps.
     block_mass = block_cum.gather(1, chosen_block) - before

@@ -5,7 +5,8 @@ A constrained request waits in WAITING_FOR_GRAMMAR while its grammar compiles on
 (other requests keep decoding). Before each schedule `poll` starts the grammars whose compile finished: a
 failed compile ends that request with finish reason "error"; a successful one appends the tokens the grammar
 forces at the start (e.g. `{"`), which are then prefilled with the prompt. Before the forward `prepare` starts
-filling the batch bitmask on the mask thread; the installed `StructuredLogitsProcessor` applies it.
+filling the batch bitmask on the mask thread; the installed `StructuredLogitsProcessor` hands it to the sampler
+(a `TokenMask`, applied only to rows whose pick it would change).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class StructuredOutputs:
 
             info = TokenizerInfo.from_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
             self.manager = StructuredOutputManager(info, self.config or StructuredOutputConfig())
-            self.processor = StructuredLogitsProcessor(self.manager, _grammar_of)
+            self.processor = StructuredLogitsProcessor(self.manager, _grammar_of, defer=True)
         return self.manager
 
     def attach(self, seq: Sequence, params: StructuredOutputsParams) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from structgen.engine.token_mask import TokenMask
 from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
@@ -125,9 +126,18 @@ class StructuredLogitsProcessor:
     then waits for it (or, given other sequences than were prepared, fills the mask itself).
     """
 
-    def __init__(self, manager: StructuredOutputManager, grammar_of: Callable[[Any], Grammar | None]):
+    def __init__(
+        self,
+        manager: StructuredOutputManager,
+        grammar_of: Callable[[Any], Grammar | None],
+        *,
+        defer: bool = False,
+    ):
         self.manager = manager
         self.grammar_of = grammar_of
+        # Hand the mask to the sampler (a `TokenMask`) instead of applying it: the sampler masks only the
+        # rows whose pick the mask would change.
+        self.defer = defer
         self._bitmask = manager.allocate_bitmask(64)
         self._pending: tuple[list[Any], list[int], Future[None]] | None = None
 
@@ -137,7 +147,7 @@ class StructuredLogitsProcessor:
         future = self.manager.fill_bitmask_async(items, self._bitmask) if items else _done()
         self._pending = (list(seqs), [row for _, row in items], future)
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> None:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> TokenMask | None:
         pending = self._pending
         if (
             pending is None
@@ -150,8 +160,12 @@ class StructuredLogitsProcessor:
         self._pending = None
         _, rows, future = pending
         future.result()
-        if rows:
-            apply_token_bitmask_(logits, self._bitmask, rows=rows)
+        if not rows:
+            return None
+        if self.defer:
+            return TokenMask(bitmask=self._bitmask, rows=rows)
+        apply_token_bitmask_(logits, self._bitmask, rows=rows)
+        return None
 
     def _settle(self) -> None:
         # A fill still writing into the bitmask must finish before the bitmask is reused.
