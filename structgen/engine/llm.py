@@ -28,6 +28,8 @@ class LLM:
         dtype: str = "float32",
         device: str | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -44,6 +46,8 @@ class LLM:
             dtype=dtype,
             device=device,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_tokens=kv_cache_tokens,
@@ -64,6 +68,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they stop at interpreter exit otherwise)."""
+        self.engine.shutdown()
 
     def generate(
         self,
@@ -97,18 +105,44 @@ class LLM:
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template."""
+        """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template.
+
+        With `tools` (OpenAI tool definitions) the calls are grammar-enforced as `tool_choice` says (default
+        "auto") and each finished output is a `ToolCompletionOutput` carrying `content` and `tool_calls`.
+        """
+        from structgen.tools.outputs import with_tool_calls
+        from structgen.tools.plan import ToolCallPlan
+
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        plan = None
+        if tools is not None or tool_choice is not None:
+            plan = ToolCallPlan.build(
+                tools,
+                tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                chat_template=tokenizer.chat_template,
+            )
+            params = (
+                [plan.sampling_params(p) for p in params]
+                if isinstance(params, list)
+                else plan.sampling_params(params)
+            )
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            text = self.engine.tokenizer.apply_chat_template(
+            if plan is not None:
+                conversation, tools = plan.conversation(conversation)
+            text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
             )
-            token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        results = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return results if plan is None else [with_tool_calls(r, plan.parse) for r in results]
 
     def _run(
         self, prompts: list[PromptInput], params: list[SamplingParams], *, use_tqdm: bool | None

@@ -2,11 +2,13 @@
 means token `i` is allowed), covering the model's padded vocabulary. This is the layout llguidance,
 xgrammar and outlines-core all write, so backends fill rows in place without conversion.
 
-`apply_token_bitmask_` is the pure-torch reference the Triton kernel will replace.
+`apply_token_bitmask_` masks CPU logits with a byte-table lookup and CUDA logits with the Triton kernel
+`structgen.kernels.apply_token_bitmask`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -88,6 +90,12 @@ def apply_token_bitmask_(
             raise ValueError(
                 f"rows {index.tolist()} out of range for {batch} logits / {bitmask.shape[0]} mask rows"
             )
+    if _use_kernel(logits):
+        from structgen.kernels.apply_token_bitmask import apply_token_bitmask
+
+        # The kernel masks columns past the bitmask itself; the mask is indexed by logits row on the device.
+        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), index)
+        return
     covered = min(vocab, bitmask.shape[1] * 32)
     if logits.device.type == "cpu" and bitmask.device.type == "cpu":
         _apply_cpu(logits, bitmask, range(batch) if index is None else index.tolist(), covered)
@@ -115,10 +123,15 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Iterable[int],
         logits[row, :covered].add_(bias)
 
 
+def _use_kernel(logits: torch.Tensor) -> bool:
+    """CUDA logits go through the Triton kernel (one launch, no unpacked mask); CPU keeps the table lookup."""
+    return logits.is_cuda and importlib.util.find_spec("triton") is not None
+
+
 def _apply_torch(
     logits: torch.Tensor, bitmask: torch.Tensor, index: torch.Tensor | None, covered: int
 ) -> None:
-    # Any device (the GPU path until the Triton kernel lands): unpack with shifts, then masked_fill.
+    # Devices other than CPU and CUDA (or CUDA without Triton): unpack with shifts, then masked_fill.
     batch = logits.shape[0]
     masks = bitmask[:batch] if index is None else bitmask.index_select(0, index.to(bitmask.device))
     masks = masks.to(logits.device, non_blocking=True)
