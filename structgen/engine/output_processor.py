@@ -206,6 +206,10 @@ class OutputProcessor:
         outputs = []
         for seq in request.seqs:
             text = seq.output_text
+            if seq.structured is not None and seq.structured.holds_back_output and not seq.is_finished:
+                # Validated at the end and maybe resampled: the whole text goes out as one final delta.
+                outputs.append(_held(seq))
+                continue
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
@@ -232,6 +236,15 @@ class OutputProcessor:
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
         )
+
+
+def _held(seq: Sequence) -> CompletionOutput:
+    """What a client has seen of a held-back sequence so far (nothing new)."""
+    return CompletionOutput(
+        index=seq.index,
+        text=seq.output_text[: seq.num_sent_chars],
+        token_ids=list(seq.output_token_ids[: seq.num_sent_tokens]),
+    )
 
 
 def _report(seq: Sequence) -> StructuredReport:

@@ -83,6 +83,12 @@ class StructuredRequest:
         self.validation = validate_output(self.spec, text)
         return self.validation
 
+    @property
+    def holds_back_output(self) -> bool:
+        """A relaxed grammar's output may be resampled after validation, so nothing of it is streamed before
+        it is final: a client must never see text that a retry then takes back."""
+        return self.compiled is not None and self.compiled.needs_validation
+
     def should_retry(self) -> bool:
         """An output of a relaxed grammar failed validation and retries remain: sample again (new seed)."""
         return (

@@ -295,6 +295,30 @@ def test_relaxed_schema_is_validated_and_retried(make_engine: EngineFactory, str
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_relaxed_outputs_stream_only_once_final(make_engine: EngineFactory) -> None:
+    """A retry takes back what was sampled: a streaming client gets a relaxed grammar's text in one final delta,
+    while an exact grammar's text streams token by token."""
+    engine = make_engine()
+    exact = StructuredOutputsParams(json={"type": "array", "items": {"enum": [1, 2, 3]}})
+    for i in range(4):
+        spec = StructuredOutputsParams(json=UNIQUE) if i < 3 else exact
+        engine.add_request(
+            f"s{i}", "Three numbers:", SamplingParams(seed=i, max_tokens=20, structured_outputs=spec)
+        )
+    deltas: dict[str, list[str]] = {}
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out.outputs[0].delta_text)
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert engine.stats().num_structured_retries > 0  # some output was taken back
+    for i in range(3):
+        *before, last = deltas[f"s{i}"]
+        assert not any(before) and last == finals[f"s{i}"].text
+    assert sum(1 for d in deltas["s3"] if d) > 1 and "".join(deltas["s3"]) == finals["s3"].text
+
+
 def test_cli_generate_with_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
     from structgen.cli import main
 
