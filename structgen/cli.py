@@ -6,6 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from structgen.commands import bench as bench_command
+from structgen.commands import generate as generate_command
+from structgen.commands import validate as validate_command
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -21,23 +25,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="structgen", description="Structured-output LLM engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline with the in-process engine")
-    _add_model_args(gen)
-    gen.add_argument("--prompt", required=True, help="the user message (or raw prompt with --raw)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--system", default=None, help="optional system message")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON Schema")
-    shape.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
-    shape.add_argument("--regex", metavar="RX", help="constrain the output to fully match this regex")
-    shape.add_argument("--choice", metavar="A,B,C", help="constrain the output to one of these strings")
-    shape.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or EBNF grammar")
-    gen.add_argument("--strict", action="store_true", help="fail instead of returning an invalid output")
+    generate_command.add_parser(sub, model_args=_add_model_args)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_model_args(serve)
@@ -50,6 +38,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N processes (one GPU each; gloo on CPU); default 1",
+    )
+    serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
+    )
+    serve.add_argument(
         "--kv-cache-tokens",
         type=int,
         default=None,
@@ -61,66 +60,27 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["auto", "llguidance", "xgrammar", "outlines"],
         help="grammar backend for structured outputs",
     )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body accepted, larger ones get 413 (default 16 MiB)",
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=512,
+        help="requests waiting for their first token before new ones get 429 (default 512)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)",
+    )
+    validate_command.add_parser(sub, model_args=_add_model_args)
+    bench_command.add_parser(sub)
     return parser
-
-
-def _structured_outputs(args: argparse.Namespace) -> object | None:
-    from pathlib import Path
-
-    from structgen.structured import StructuredOutputsParams
-
-    strict = {"strict": args.strict}
-    if args.json_schema:
-        return StructuredOutputsParams(json=Path(args.json_schema).read_text(), **strict)
-    if args.json_object:
-        return StructuredOutputsParams(json_object=True, **strict)
-    if args.regex:
-        return StructuredOutputsParams(regex=args.regex, **strict)
-    if args.choice:
-        return StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c], **strict)
-    if args.grammar:
-        return StructuredOutputsParams(grammar=Path(args.grammar).read_text(), **strict)
-    return None
-
-
-def _run_generate(args: argparse.Namespace) -> int:
-    from structgen import LLM, SamplingParams
-
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=args.stop,
-            structured_outputs=_structured_outputs(args),  # type: ignore[arg-type]
-        )
-    except (ValueError, OSError) as exc:
-        print(f"structgen generate: {exc}", file=sys.stderr)
-        return 2
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
-    if args.raw:
-        outputs = llm.generate([args.prompt], params, use_tqdm=False)
-    else:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": args.prompt})
-        outputs = llm.chat(messages, params, use_tqdm=False)
-    completion = outputs[0].outputs[0]
-    print(completion.text)
-    print(f"[finish_reason={completion.finish_reason} tokens={len(completion.token_ids)}]", file=sys.stderr)
-    report = completion.structured
-    if report is not None:
-        print(
-            f"[structured backend={report.backend} path={report.path} valid={report.valid} "
-            f"retries={report.retries} forced_tokens={report.forced_tokens}"
-            + (f" error={report.error}" if report.error else "")
-            + "]",
-            file=sys.stderr,
-        )
-    if completion.finish_reason == "error":
-        print(f"structgen generate: {completion.error}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -133,6 +93,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from structgen.engine.async_engine import AsyncEngine
     from structgen.engine.llm_engine import LLMEngine
     from structgen.server import build_app
+    from structgen.server.lifecycle import GracefulServer
+    from structgen.server.limits import ServerLimits
     from structgen.structured import StructuredOutputConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -141,19 +103,41 @@ def _run_serve(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager,
             cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
             structured=StructuredOutputConfig(backend=args.structured_backend),
+        )
+        limits = ServerLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_waiting_requests=args.max_waiting_requests,
+            shutdown_timeout_s=args.shutdown_timeout,
         )
     except ValueError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
     engine = AsyncEngine(LLMEngine(config))
     api_key = args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
-    app = build_app(engine, engine.engine.tokenizer, model_name=args.model or "smollm2-135m", api_key=api_key)
+    app = build_app(
+        engine,
+        engine.engine.tokenizer,
+        model_name=args.model or "smollm2-135m",
+        api_key=api_key,
+        limits=limits,
+    )
+    # Our middleware writes the one line per request; uvicorn's access log would repeat it. SIGTERM drains
+    # the in-flight requests (GracefulServer); uvicorn's own timeout is only a backstop after that.
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + 10,
+    )
     try:
-        # Our middleware writes the one line per request; uvicorn's access log would repeat it.
-        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_config=None)
+        GracefulServer(uv_config, app.state.server.lifecycle).run()
     finally:
         engine.shutdown()
     return 0
@@ -165,9 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "generate":
-            return _run_generate(args)
+            return generate_command.run(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "validate":
+            return validate_command.run(args)
+        if args.command == "bench":
+            return bench_command.run(args)
     except StructgenError as exc:
         print(f"structgen {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from typing import Any
 
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
+from structgen.engine.metrics import EngineStats
 from structgen.engine.outputs import RequestOutput
 from structgen.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 # When every unfinished request waits on something outside the engine (a grammar compiling), the loop polls
 # their `ready()` this often instead of spinning.
 _IDLE_POLL_S = 0.002
+_STATS_TIMEOUT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -54,6 +56,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._dead: BaseException | None = None
+        # `generate` calls whose add command has not run yet: failed at once if the step loop dies first.
+        self._adding: dict[asyncio.Future[None], asyncio.AbstractEventLoop] = {}
         self._thread = threading.Thread(target=self._run, name="structgen-engine", daemon=True)
         self._thread.start()
 
@@ -83,6 +87,8 @@ class AsyncEngine:
         added: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
+            with self._wakeup:
+                self._adding.pop(added, None)
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in use")
@@ -93,7 +99,11 @@ class AsyncEngine:
             self._streams[request_id] = stream
             loop.call_soon_threadsafe(_resolve, added, None)
 
+        with self._wakeup:
+            self._adding[added] = loop
         if not self._post(add):
+            with self._wakeup:
+                self._adding.pop(added, None)
             self._check_alive()
             raise EngineDeadError("the engine's step loop is not running")
         try:
@@ -120,6 +130,23 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends without a final output."""
         self._post(lambda: self._abort(request_id))
+
+    async def stats(self) -> EngineStats:
+        """`LLMEngine.stats()` taken on the step thread between steps (the scheduler's queues are not
+        thread-safe); read directly when no step thread runs."""
+        loop = asyncio.get_running_loop()
+        taken: asyncio.Future[EngineStats] = loop.create_future()
+
+        def take() -> None:
+            stats = self.engine.stats()
+            loop.call_soon_threadsafe(lambda: taken.done() or taken.set_result(stats))
+
+        if self._post(take):
+            try:
+                return await asyncio.wait_for(taken, _STATS_TIMEOUT_S)
+            except TimeoutError:  # the thread is stopping: nothing else touches the engine much longer
+                pass
+        return self.engine.stats()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort everything and stop the step thread (idempotent)."""
@@ -181,10 +208,17 @@ class AsyncEngine:
                             self._wakeup.wait(_IDLE_POLL_S)
         except BaseException as error:
             logger.exception("engine step loop failed")
-            self._dead = error
+            with self._wakeup:
+                self._dead = error
+                adding, self._adding = self._adding, {}
+                self._commands.clear()  # nothing will run them; their callers are failed here
             for stream in self._streams.values():
                 stream.put(error)
             self._streams.clear()
+            for future, loop in adding.items():
+                dead = EngineDeadError("the engine's step loop failed")
+                dead.__cause__ = error
+                loop.call_soon_threadsafe(_resolve, future, dead)
             return
         # Shut down: requests added at the last moment are registered, then everything is aborted.
         with self._wakeup:

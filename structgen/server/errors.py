@@ -35,13 +35,20 @@ class APIError(Exception):
     """An error to send as an OpenAI error body with `status`."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(
@@ -52,7 +59,9 @@ def error_body(
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    headers = dict(error.headers or {})
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(
         error_body(error.status, error.message, param=error.param, code=error.code),
         status_code=error.status,

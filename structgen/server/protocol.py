@@ -161,6 +161,10 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (checked and applied by `structgen.server.tool_calls`).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -177,8 +181,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise APIError(400, "echo is not supported by this server yet", param="echo")
+        if self.echo and self.logprobs is not None:
+            # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
         return self._sampling_params(self.max_tokens, None, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
@@ -215,7 +220,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # None (sent as null, which the `openai` SDK reads as no tool calls) unless the model called tools.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -239,6 +245,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

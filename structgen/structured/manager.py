@@ -10,22 +10,26 @@ forward runs; each backend fills its rows in one native batched call.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBackend, create_backend
 from structgen.structured.bitmask import allocate_token_bitmask
-from structgen.structured.errors import CompileTimeoutError, StructuredOutputError
+from structgen.structured.errors import CompileBusyError, CompileTimeoutError, StructuredOutputError
+from structgen.structured.limits import SchemaLimits
 from structgen.structured.select import AUTO_ORDER, CompiledSpec, compile_spec
 from structgen.structured.spec import StructuredSpec
 from structgen.structured.tokenizer_info import TokenizerInfo
 
 CacheKey = tuple[str, tuple[str, str, str, str, int], str]
+FillFailures = list[tuple[int, Exception]]  # (bitmask row, the error its grammar raised)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,12 @@ class StructuredOutputConfig:
     max_validation_retries: int = 3
     # Append the tokens a grammar forces without sampling them (prefilled with the next step).
     jump_forward: bool = True
+    limits: SchemaLimits = field(default_factory=SchemaLimits)
+    # A timed-out compile cannot be interrupted (native code): its thread is abandoned and new compiles go
+    # to fresh workers. Past this many still running, new compiles are refused until some finish.
+    max_abandoned_compiles: int = 4
+    # Compile threads run at this nice level (Linux) so a long compile does not take CPU from the step loop.
+    compile_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKEND_NAMES:
@@ -49,6 +59,8 @@ class StructuredOutputConfig:
             raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
         if self.compile_workers < 1 or self.cache_size < 1 or self.max_validation_retries < 0:
             raise ValueError("compile_workers and cache_size must be >= 1, max_validation_retries >= 0")
+        if self.max_abandoned_compiles < 0 or not 0 <= self.compile_nice <= 19:
+            raise ValueError("max_abandoned_compiles must be >= 0 and compile_nice in 0..19")
 
 
 @dataclass(slots=True)
@@ -58,6 +70,10 @@ class CacheStats:
     compiles: int = 0
     failures: int = 0
     timeouts: int = 0
+    abandoned: int = 0  # compiles that ran past their time limit (their threads were left to finish)
+    refused_by_limits: int = 0
+    # Seconds of the latest successful compiles (`compiles` counts them all), for the server's histogram.
+    recent_compile_times: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
 
 
 class StructuredOutputManager:
@@ -83,9 +99,9 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[CacheKey, Future[CompiledSpec]] = OrderedDict()
         self._lock = threading.Lock()
-        self._compile_pool = ThreadPoolExecutor(
-            self.config.compile_workers, thread_name_prefix="structgen-compile"
-        )
+        self._compile_pool = self._new_compile_pool()
+        # Compiles past their time limit whose native call still runs (each holds one thread).
+        self._abandoned: set[Future[CompiledSpec]] = set()
         # One thread suffices: each backend's batched fill runs on the library's own native threads.
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="structgen-mask")
         # The preferred backend is built now, so the first request's compile time is only its compile.
@@ -114,14 +130,52 @@ class StructuredOutputManager:
                 return cached
             self.stats.misses += 1
             outer: Future[CompiledSpec] = Future()
+            refused = self._refuse(spec)
+            if refused is not None:
+                outer.set_exception(refused)
+                if isinstance(refused, CompileBusyError):
+                    return outer  # busy now, not later: not cached
+                self._insert(key, outer)
+                return outer
             self._insert(key, outer)
         limit = self.config.compile_timeout_s
-        timer = threading.Timer(limit, self._expire, args=(key, outer, spec))
+        inner = self._submit_compile(spec, limit)
+        timer = threading.Timer(limit, self._expire, args=(key, outer, spec, inner))
         timer.daemon = True
-        inner = self._compile_pool.submit(self._compile, spec, limit)
         inner.add_done_callback(lambda f: self._finish(key, outer, f, timer))
         timer.start()
         return outer
+
+    def _refuse(self, spec: StructuredSpec) -> StructuredOutputError | None:
+        """Why `spec` must not start compiling (over a limit, or too many stuck compiles); None if it may.
+        Called with the lock held: the limits walk is linear in the (bounded) spec size."""
+        try:
+            self.config.limits.check(spec)
+        except StructuredOutputError as error:
+            self.stats.refused_by_limits += 1
+            self.stats.failures += 1
+            return error
+        if len(self._abandoned) > self.config.max_abandoned_compiles:
+            self.stats.failures += 1
+            return CompileBusyError(len(self._abandoned))
+        return None
+
+    def _submit_compile(self, spec: StructuredSpec, limit: float) -> Future[CompiledSpec]:
+        while True:
+            pool = self._compile_pool
+            try:
+                return pool.submit(self._compile, spec, limit)
+            except RuntimeError:
+                if pool is self._compile_pool:  # not swapped for a fresh one: the manager shut down
+                    raise
+
+    def _new_compile_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(
+            self.config.compile_workers,
+            thread_name_prefix="structgen-compile",
+            initializer=_lower_priority,
+            initargs=(self.config.compile_nice,),
+        )
 
     def compile(self, spec: StructuredSpec) -> CompiledSpec:
         """Blocking `submit(spec).result()`."""
@@ -135,10 +189,14 @@ class StructuredOutputManager:
         self, key: CacheKey, outer: Future[CompiledSpec], inner: Future[CompiledSpec], timer: threading.Timer
     ) -> None:
         timer.cancel()
+        if inner.cancelled():
+            return  # timed out while queued; `_expire` fails the request
         error = inner.exception()
         with self._lock:
+            self._abandoned.discard(inner)
             if error is None:
                 self.stats.compiles += 1
+                self.stats.recent_compile_times.append(inner.result().compile_time_s)
             if outer.done():
                 # The timer failed the request already; a late success still serves the next request.
                 if error is None and key not in self._cache:
@@ -158,7 +216,9 @@ class StructuredOutputManager:
         else:
             _resolve(outer, error=StructuredOutputError(f"compiling the grammar failed: {error!r}"))
 
-    def _expire(self, key: CacheKey, outer: Future[CompiledSpec], spec: StructuredSpec) -> None:
+    def _expire(
+        self, key: CacheKey, outer: Future[CompiledSpec], spec: StructuredSpec, inner: Future[CompiledSpec]
+    ) -> None:
         with self._lock:
             if outer.done():
                 return
@@ -166,6 +226,17 @@ class StructuredOutputManager:
             self.stats.timeouts += 1
             if self._cache.get(key) is outer:
                 del self._cache[key]
+        # Still queued behind other compiles: it never starts. (Outside the lock: `_finish` runs in cancel.)
+        if not inner.cancel():
+            with self._lock:
+                if not inner.done():
+                    # Running in native code, which cannot be interrupted: leave its thread to finish (a late
+                    # result is still cached) and send later compiles to a fresh pool, so that stuck threads
+                    # never fill it. `_finish` forgets it when it ends.
+                    self.stats.abandoned += 1
+                    self._abandoned.add(inner)
+                    self._compile_pool.shutdown(wait=False)
+                    self._compile_pool = self._new_compile_pool()
         _resolve(outer, error=CompileTimeoutError(self.config.compile_timeout_s, spec.describe()))
 
     def _insert(self, key: CacheKey, future: Future[CompiledSpec]) -> None:
@@ -177,25 +248,45 @@ class StructuredOutputManager:
         with self._lock:
             return len(self._cache)
 
+    @property
+    def num_abandoned(self) -> int:
+        """Compiles past their time limit whose threads are still running."""
+        with self._lock:
+            return len(self._abandoned)
+
     # -- per-step masks ------------------------------------------------------------------------------
 
     def allocate_bitmask(self, max_batch_size: int, *, pin_memory: bool = False) -> torch.Tensor:
         return allocate_token_bitmask(max_batch_size, self.tokenizer.vocab_size, pin_memory=pin_memory)
 
-    def fill_bitmask(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
-        """Fill `bitmask[row]` for each (grammar, row); rows not listed are left as they are."""
+    def fill_bitmask(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> FillFailures:
+        """Fill `bitmask[row]` for each (grammar, row); rows not listed are left as they are. Returns the rows
+        whose grammar raised, with the error (their contents are undefined): one broken grammar fails its own
+        request, not the batch."""
         if not items:
-            return
+            return []
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
         groups: dict[int, tuple[StructuredBackend, list[tuple[Grammar, int]]]] = {}
         for grammar, row in items:
             backend = grammar.backend
             groups.setdefault(id(backend), (backend, []))[1].append((grammar, row))
+        failures: FillFailures = []
         for backend, group in groups.values():
-            backend.fill_bitmask_batch(group, bitmask)
+            try:
+                backend.fill_bitmask_batch(group, bitmask)
+            except Exception:
+                # The batched call does not say whose grammar failed: fill the group row by row to find out.
+                for grammar, row in group:
+                    try:
+                        grammar.fill_bitmask(bitmask, row)
+                    except Exception as error:
+                        failures.append((row, error))
+        return failures
 
-    def fill_bitmask_async(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> Future[None]:
+    def fill_bitmask_async(
+        self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor
+    ) -> Future[FillFailures]:
         """`fill_bitmask` on the mask thread, to overlap with the model forward; wait on the future before
         applying the mask."""
         return self._fill_pool.submit(self.fill_bitmask, list(items), bitmask)
@@ -203,6 +294,13 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority(nice: int) -> None:
+    # On Linux a thread is a task with its own nice value; elsewhere this is a no-op.
+    if nice and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _resolve(

@@ -3,7 +3,6 @@ the OpenAI error bodies, auth, and the official `openai` SDK against a real uvic
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -14,60 +13,16 @@ import httpx
 import openai
 import pytest
 from live_server import serve, wait_idle
+from server_helpers import AUTH, KEY, USER, assert_error, call, sse_events
+from server_helpers import TINY_KV_CACHE_TOKENS as KV_CACHE_TOKENS
 
-from structgen.config import CacheConfig, EngineConfig
 from structgen.engine.async_engine import AsyncEngine
-from structgen.engine.llm_engine import LLMEngine
 from structgen.server import build_app
-
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-KV_CACHE_TOKENS = 2048
-USER = [{"role": "user", "content": "Give me a number."}]
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    config = EngineConfig(model="tiny", device="cpu", cache=CacheConfig(kv_cache_tokens=KV_CACHE_TOKENS))
-    async_engine = AsyncEngine(LLMEngine(config))
-    yield async_engine
-    async_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def app(engine: AsyncEngine) -> Any:
     return build_app(engine, engine.engine.tokenizer, model_name="tiny", api_key=KEY)
-
-
-def call(
-    app: Any, method: str, path: str, *, headers: dict[str, str] | None = AUTH, **kwargs: Any
-) -> httpx.Response:
-    async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, headers=headers, **kwargs)
-
-    return asyncio.run(main())
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    """The decoded `data:` payloads of an SSE body; asserts the framing and that `[DONE]` ends it."""
-    assert response.headers["content-type"].startswith("text/event-stream")
-    blocks = [b for b in response.text.split("\n\n") if b]
-    assert all(b.startswith("data: ") for b in blocks)
-    assert blocks[-1] == "data: [DONE]"
-    return [json.loads(b.removeprefix("data: ")) for b in blocks[:-1]]
-
-
-def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    message = body["error"]["message"]
-    assert "Traceback" not in message
-    for word in words:
-        assert word in message, message
-    return body["error"]
 
 
 # -- shapes over ASGI -----------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""One generation request from admission to its answer: a stream of events, or the finished outputs.
+
+The ticket (in-flight tracking, admission control) is held until the answer ends: past the stream's last event,
+or once the outputs are collected. A client that leaves before its stream starts, or while it waits for a plain
+answer, cancels the work, which aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from structgen.engine.outputs import CompletionOutput
+from structgen.sampling_params import SamplingParams
+from structgen.server.context import ServerContext
+from structgen.server.generation import Call, Started, collect, start, unless_disconnected
+from structgen.server.streaming import sse
+
+# Builds the SSE events of a started request.
+EventsFactory = Callable[[Call, list[Started]], AsyncIterator[dict[str, Any]]]
+
+
+@dataclass(slots=True)
+class Finished:
+    call: Call
+    started: list[Started]
+    outputs: list[CompletionOutput]  # prompt-major, `n` per prompt
+    prompt_tokens: int
+
+
+async def dispatch(
+    ctx: ServerContext,
+    request: Request,
+    request_id: str,
+    prompts: list[Any],
+    params: SamplingParams,
+    *,
+    events: EventsFactory | None,
+) -> StreamingResponse | Finished:
+    """With `events` the SSE response (the request is started, so early errors are still plain 4xx);
+    without, the finished outputs."""
+    request.state.request_id = request_id
+    ticket = ctx.lifecycle.open()
+    call = Call(ctx, request_id, request, ticket)
+    try:
+        # A client that leaves while its request still waits for a first token aborts it too.
+        started = await unless_disconnected(request, start(ctx, ticket, prompts, params, request_id))
+        if events is not None:
+            return sse(events(call, started), call)
+        outputs, prompt_tokens = await unless_disconnected(request, collect(call, started, params.n))
+    except BaseException:
+        ticket.close()
+        raise
+    ticket.close()
+    return Finished(call, started, outputs, prompt_tokens)

@@ -1,0 +1,182 @@
+"""From an HTTP request to engine requests and back: start them, merge their outputs, collect the finals.
+
+A request is started (and its first output awaited) before any response bytes go out, so everything the engine
+rejects up front (prompt too long, a schema it cannot enforce) is still an ordinary 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from structgen.engine.async_engine import EngineDeadError
+from structgen.engine.outputs import CompletionOutput, RequestOutput
+from structgen.sampling_params import SamplingParams
+from structgen.server import protocol as p
+from structgen.server.context import ServerContext
+from structgen.server.errors import APIError
+from structgen.server.lifecycle import Ticket
+
+T = TypeVar("T")
+
+# A started request: its iterator and the first output it produced.
+Started = tuple[AsyncIterator[RequestOutput], RequestOutput]
+
+
+class Call:
+    """What every response of one HTTP request shares."""
+
+    def __init__(self, ctx: ServerContext, request_id: str, request: Request, ticket: Ticket) -> None:
+        self.ctx = ctx
+        self.id = request_id
+        self.tokenizer = ctx.tokenizer
+        self.model = ctx.model_name
+        self.created = int(time.time())
+        self.state = request.state
+        self.ticket = ticket
+
+    def finish(self, prompt_tokens: int, finals: list[CompletionOutput]) -> p.Usage:
+        """The usage of the finished outputs; notes them for the request log and the metrics."""
+        completion_tokens = sum(len(o.token_ids) for o in finals)
+        self.state.usage = (prompt_tokens, completion_tokens)
+        self.ctx.metrics.observe_outputs(finals)
+        return p.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    def missing_error(self) -> APIError:
+        """The error for outputs that ended without finishing (aborted in the engine)."""
+        if self.ticket.aborted_by_shutdown:
+            return APIError(503, "the server shut down before the request finished", code="shutting_down")
+        return APIError(503, "the request was aborted before it finished", code="aborted")
+
+
+async def start(
+    ctx: ServerContext, ticket: Ticket, prompts: list[Any], params: SamplingParams, request_id: str
+) -> list[Started]:
+    """Add one engine request per prompt and wait for each one's first output; errors become 400 / 503."""
+    started: list[Started] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            with ticket.queued(rid):
+                stream = ctx.engine.generate(prompt, params, request_id=rid)
+                started.append((stream, await _first(stream, ticket)))
+            raise_failed(started[-1][1].outputs)
+    except BaseException:
+        for stream, _ in started:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
+    return started
+
+
+async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> RequestOutput:
+    from structgen.structured import CompileTimeoutError, StructuredOutputError, UnsupportedSchemaError
+
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        if ticket.aborted_by_shutdown:
+            raise APIError(
+                503, "the server shut down before the request started", code="shutting_down"
+            ) from None
+        raise APIError(503, "the request was aborted before it produced output") from None
+    except UnsupportedSchemaError as error:
+        raise APIError(400, str(error), param="response_format", code="unsupported_schema") from None
+    except CompileTimeoutError as error:
+        raise APIError(400, str(error), param="response_format", code="compile_timeout") from None
+    except (StructuredOutputError, ValueError) as error:  # prompt too long, n over max_num_seqs, bad spec
+        raise APIError(400, str(error), code="invalid_request") from None
+    except EngineDeadError as error:
+        raise APIError(503, str(error), code="engine_dead") from None
+
+
+def raise_failed(outputs: list[CompletionOutput]) -> None:
+    for output in outputs:
+        if output.finish_reason == "error":
+            message = output.error or "the request failed"
+            code = "unsupported_schema" if output.structured is not None else "generation_error"
+            # The engine reports a failed compile as text only; CompileTimeoutError's wording marks a timeout.
+            if "exceeded the" in message and message.endswith(" s limit"):
+                code = "compile_timeout"
+            raise APIError(400, message, param="response_format", code=code)
+
+
+async def outputs(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every started request, as they come, beginning with the first outputs."""
+    for i, (_, first) in enumerate(started):
+        yield i, first
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
+        try:
+            if not first.finished:
+                async for output in stream:
+                    await queue.put((i, output))
+        except Exception as error:
+            await queue.put((i, error))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(started)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise APIError(503, f"the engine failed: {item}", code="engine_dead")
+            else:
+                yield i, item
+    finally:
+        # Cancelling a pump closes its engine iterator, which aborts the request (client gone, or an error).
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream, _ in started:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def collect(call: Call, started: list[Started], n: int) -> tuple[list[CompletionOutput], int]:
+    """The finished outputs of every prompt (prompt-major, `n` each) and the total prompt tokens."""
+    latest: dict[tuple[int, int], CompletionOutput] = {}
+    async for i, output in outputs(started):
+        for o in output.outputs:
+            latest[i, o.index] = o
+    finals = [latest.get((i, j)) for i in range(len(started)) for j in range(n)]
+    if any(o is None or not o.finished for o in finals):
+        raise call.missing_error()
+    raise_failed(finals)  # type: ignore[arg-type]
+    return finals, prompt_tokens(started)  # type: ignore[return-value]
+
+
+def prompt_tokens(started: list[Started]) -> int:
+    return sum(len(first.prompt_token_ids) for _, first in started)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "the client closed the request", code="client_closed")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    # The body is read already, so the next message is the disconnect (uvicorn sends it when the client leaves).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,69 @@
+"""`POST /v1/chat/completions`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from structgen.server import protocol as p
+from structgen.server.context import ServerContext
+from structgen.server.dispatch import Finished, dispatch
+from structgen.server.errors import APIError
+from structgen.server.streaming import chat_chunks
+from structgen.server.tool_calls import ChatTools
+
+
+def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
+    @router.post("/chat/completions", response_model=None)
+    async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model, ctx.model_name)
+        params = body.to_sampling_params()
+        messages = [m.for_template() for m in body.messages]
+        tools = ChatTools.from_request(body, ctx.tokenizer, messages, params)
+        try:
+            text = ctx.tokenizer.apply_chat_template(
+                tools.messages, add_generation_prompt=True, tools=tools.template_tools
+            )
+        except Exception as error:  # a template that rejects the conversation (roles out of order...)
+            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
+        prompt = {"prompt": text, "prompt_token_ids": ctx.tokenizer.encode(text, add_special_tokens=False)}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        result = await dispatch(
+            ctx,
+            request,
+            p.new_id("chatcmpl"),
+            [prompt],
+            tools.params,
+            events=(lambda call, started: tools.events(chat_chunks(call, started, params.n, include_usage)))
+            if body.stream
+            else None,
+        )
+        if not isinstance(result, Finished):
+            return result
+        choices = [
+            p.ChatChoice(
+                index=i,
+                message=tools.message(o),
+                logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                finish_reason=tools.finish_reason(o),
+            )
+            for i, o in enumerate(result.outputs)
+        ]
+        return p.ChatCompletion(
+            id=result.call.id,
+            created=result.call.created,
+            model=ctx.model_name,
+            choices=choices,
+            usage=result.call.finish(result.prompt_tokens, result.outputs),
+        )
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )

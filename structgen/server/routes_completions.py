@@ -1,0 +1,57 @@
+"""`POST /v1/completions` (the legacy text completions API), `echo` included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from structgen.server import protocol as p
+from structgen.server.context import ServerContext
+from structgen.server.dispatch import Finished, dispatch
+from structgen.server.generation import Call, Started
+from structgen.server.routes_chat import check_model
+from structgen.server.streaming import completion_chunks
+
+
+def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
+    @router.post("/completions", response_model=None)
+    async def completions(body: p.CompletionRequest, request: Request) -> Any:
+        check_model(body.model, ctx.model_name)
+        params = body.to_sampling_params()
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def events(call: Call, started: list[Started]) -> Any:
+            echo = _prompt_texts(ctx, started) if body.echo else None
+            return completion_chunks(call, started, params.n, include_usage, echo)
+
+        result = await dispatch(
+            ctx, request, p.new_id("cmpl"), body.prompts(), params, events=events if body.stream else None
+        )
+        if not isinstance(result, Finished):
+            return result
+        echo = _prompt_texts(ctx, result.started) if body.echo else None
+        choices = [
+            p.CompletionChoice(
+                index=i,
+                text=(echo[i // params.n] if echo is not None else "") + o.text,
+                logprobs=p.completion_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                finish_reason=o.finish_reason,
+            )
+            for i, o in enumerate(result.outputs)
+        ]
+        return p.Completion(
+            id=result.call.id,
+            created=result.call.created,
+            model=ctx.model_name,
+            choices=choices,
+            usage=result.call.finish(result.prompt_tokens, result.outputs),
+        )
+
+
+def _prompt_texts(ctx: ServerContext, started: list[Started]) -> list[str]:
+    """Each prompt as text (token prompts decoded), for `echo`."""
+    return [
+        first.prompt if first.prompt is not None else ctx.tokenizer.decode(first.prompt_token_ids)
+        for _, first in started
+    ]

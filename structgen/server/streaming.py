@@ -1,0 +1,133 @@
+"""Server-Sent Events: chat and text completion chunks from the engine's deltas.
+
+A client that goes away cancels the stream, which aborts the engine requests and frees their KV blocks. A
+stream that cannot finish (engine failure, aborted by shutdown) ends with an OpenAI error event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from structgen.engine.outputs import CompletionOutput
+from structgen.server import protocol as p
+from structgen.server.errors import APIError, error_body
+from structgen.server.generation import Call, Started, outputs, prompt_tokens
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(events: AsyncIterator[dict[str, Any]], call: Call) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        except APIError as error:
+            event = error_body(error.status, error.message, param=error.param, code=error.code)
+            yield f"data: {json.dumps(event)}\n\n"
+        finally:
+            call.ticket.close()
+        yield "data: [DONE]\n\n"
+
+    # The background task closes the ticket even when the body never started (client gone at once).
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers=_SSE_HEADERS,
+        background=BackgroundTask(call.ticket.close),
+    )
+
+
+async def _choice_outputs(
+    call: Call, started: list[Started], n: int
+) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """(choice index, output with its delta) for every new piece of every choice; raises the error of a failed
+    output, and at the end the error of outputs that never finished (aborted)."""
+    finished: set[int] = set()
+    async for i, output in outputs(started):
+        for o in output.outputs:
+            if o.finish_reason == "error":
+                raise APIError(400, o.error or "the request failed", code="generation_error")
+            if o.finished:
+                finished.add(i * n + o.index)
+            yield i * n + o.index, o
+    if len(finished) < n * len(started):
+        raise call.missing_error()
+
+
+async def chat_chunks(
+    call: Call, started: list[Started], n: int, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    def chunk(
+        index: int,
+        delta: p.ChatDelta,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        return p.ChatCompletionChunk(
+            id=call.id, created=call.created, model=call.model, choices=[choice]
+        ).model_dump()
+
+    for index in range(n * len(started)):
+        yield chunk(index, p.ChatDelta(role="assistant", content=""))
+    finals: dict[int, CompletionOutput] = {}
+    sent: dict[int, int] = {}  # logprob entries already sent, per choice
+    async for index, o in _choice_outputs(call, started, n):
+        if o.finished:
+            finals[index] = o
+        if o.delta_text:
+            new = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else None
+            sent[index] = len(o.logprobs or ())
+            logprobs = p.chat_logprobs(call.tokenizer, new) if new is not None else None
+            yield chunk(index, p.ChatDelta(content=o.delta_text), logprobs=logprobs)
+        if o.finished:
+            rest = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else []
+            logprobs = p.chat_logprobs(call.tokenizer, rest) if rest else None
+            yield chunk(index, p.ChatDelta(), o.finish_reason, logprobs=logprobs)
+    usage = call.finish(prompt_tokens(started), list(finals.values()))
+    if include_usage:
+        yield p.ChatCompletionChunk(
+            id=call.id, created=call.created, model=call.model, choices=[], usage=usage
+        ).model_dump()
+
+
+async def completion_chunks(
+    call: Call, started: list[Started], n: int, include_usage: bool, echo: list[str] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """Text completion chunks; with `echo` (one text per prompt) each choice starts with its prompt."""
+
+    def chunk(
+        index: int, text: str, logprobs: Any = None, finish_reason: str | None = None
+    ) -> dict[str, Any]:
+        choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return p.Completion(id=call.id, created=call.created, model=call.model, choices=[choice]).model_dump(
+            exclude={"usage"}
+        )
+
+    for index in range(n * len(started)) if echo is not None else ():
+        yield chunk(index, echo[index // n])
+    finals: dict[int, CompletionOutput] = {}
+    sent: dict[int, int] = {}  # logprob entries already sent, per choice
+    async for index, o in _choice_outputs(call, started, n):
+        if o.finished:
+            finals[index] = o
+        if o.delta_text or o.finished:
+            logprobs = None
+            if (
+                o.logprobs is not None
+            ):  # the tokens since the last chunk (a partial character waits for its end)
+                start = sent.get(index, 0)
+                offset = len(o.text) - len(o.delta_text)
+                logprobs = p.completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
+                sent[index] = len(o.logprobs)
+            yield chunk(index, o.delta_text, logprobs, o.finish_reason)
+    usage = call.finish(prompt_tokens(started), list(finals.values()))
+    if include_usage:
+        yield p.Completion(
+            id=call.id, created=call.created, model=call.model, choices=[], usage=usage
+        ).model_dump()

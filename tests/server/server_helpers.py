@@ -1,0 +1,64 @@
+"""Helpers shared by the server tests: ASGI calls, SSE parsing, the OpenAI error shape, tiny engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+from structgen.engine.async_engine import AsyncEngine
+from structgen.engine.llm_engine import LLMEngine
+from structgen.structured import StructuredOutputConfig
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TINY_KV_CACHE_TOKENS = 2048
+USER = [{"role": "user", "content": "Give me a number."}]
+
+
+def tiny_engine(*, max_num_seqs: int = 256, structured: StructuredOutputConfig | None = None) -> AsyncEngine:
+    config = EngineConfig(
+        model="tiny",
+        device="cpu",
+        cache=CacheConfig(kv_cache_tokens=TINY_KV_CACHE_TOKENS),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        structured=structured,
+    )
+    return AsyncEngine(LLMEngine(config))
+
+
+def call(
+    app: Any, method: str, path: str, *, headers: dict[str, str] | None = AUTH, **kwargs: Any
+) -> httpx.Response:
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, headers=headers, **kwargs)
+
+    return asyncio.run(main())
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """The decoded `data:` payloads of an SSE body; asserts the framing and that `[DONE]` ends it."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    blocks = [b for b in response.text.split("\n\n") if b]
+    assert all(b.startswith("data: ") for b in blocks)
+    assert blocks[-1] == "data: [DONE]"
+    return [json.loads(b.removeprefix("data: ")) for b in blocks[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    return assert_error_body(response.json(), *words)
+
+
+def assert_error_body(body: dict[str, Any], *words: str) -> dict[str, Any]:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    message = body["error"]["message"]
+    assert "Traceback" not in message
+    for word in words:
+        assert word in message, message
+    return body["error"]
