@@ -70,14 +70,23 @@ class EngineConfig:
     `model` is a registry name ("smollm2-135m", "tiny"), a local HF checkpoint directory or a GGUF file; None
     means the embedded default. `dtype` is a name the loader knows ("float32", "bfloat16", "float16", "auto").
     `device` None picks CUDA when available, else CPU. `seed` seeds the generator that requests without their
-    own `seed` sample from.
+    own `seed` sample from. `tensor_parallel_size` N > 1 shards the model over N processes (this one and N - 1
+    workers; one GPU each on CUDA, gloo on CPU), see `structgen.distributed`. `enforce_eager` turns off the
+    CUDA graphs that decode steps replay on a GPU with the Triton attention backend (the default there;
+    `STRUCTGEN_ATTENTION_BACKEND=torch|triton` overrides the backend).
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The structured-output layer (backend, compile limit, workers...); None → `StructuredOutputConfig()`.
     structured: StructuredOutputConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

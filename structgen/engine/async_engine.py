@@ -155,6 +155,8 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.engine.shutdown()  # tensor-parallel workers, grammar threads: stop them now, not at exit
 
     @property
     def is_running(self) -> bool:

@@ -32,6 +32,7 @@ from structgen.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from torch import nn
 
+    from structgen.distributed import TensorParallelGroup
     from structgen.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,23 @@ class LLMEngine:
         model_dir: str | Path | None = None,
     ) -> None:
         """Load the model named by `config.model` (or use the given `model` + `tokenizer`, which must come from
-        `model_dir`: tests share one loaded model between engines), size and allocate the KV cache."""
+        `model_dir`: tests share one loaded model between engines), size and allocate the KV cache. With
+        `config.tensor_parallel_size` > 1 the engine starts its workers and loads only rank 0's shard."""
+        self.tp_group: TensorParallelGroup | None = None
+        try:
+            self._init(config, model=model, tokenizer=tokenizer, model_dir=model_dir)
+        except BaseException:
+            self.shutdown()  # no worker may outlive a failed start
+            raise
+
+    def _init(
+        self,
+        config: EngineConfig | None,
+        *,
+        model: nn.Module | None,
+        tokenizer: Tokenizer | None,
+        model_dir: str | Path | None,
+    ) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model is None or tokenizer is None:
@@ -56,8 +73,18 @@ class LLMEngine:
             from structgen.tokenizer import Tokenizer
 
             model_dir = resolve_model(config.model)
-            model = load_model(model_dir, dtype=config.dtype, device=self.device)
+            tp_size = config.tensor_parallel_size
+            if tp_size > 1:
+                from structgen.distributed import TensorParallelGroup
+
+                # The workers load their shards while this process loads rank 0's.
+                self.tp_group = TensorParallelGroup.start(model_dir, config, self.device)
+            model = load_model(model_dir, dtype=config.dtype, device=self.device, tp_size=tp_size)
+            if self.tp_group is not None:
+                self.tp_group.wait_ready()
             tokenizer = Tokenizer.from_dir(model_dir)
+        elif config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 loads the model's shards itself: pass no model")
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.model = model
         self.tokenizer = tokenizer
@@ -85,8 +112,15 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             num_valid_tokens=min(tokenizer.vocab_size, self.vocab_size),
             sampler=Sampler(generator=make_generator(config.seed, self.device)),
+            enforce_eager=config.enforce_eager,
         )
-        num_blocks = self.runner.num_blocks_for(config.cache, sched_config, max_model_len=self.max_model_len)
+        if self.tp_group is not None:
+            num_blocks = self.tp_group.agree_num_blocks(self.runner, config, max_model_len=self.max_model_len)
+            self.runner.step_sender = self.tp_group.send_step
+        else:
+            num_blocks = self.runner.num_blocks_for(
+                config.cache, sched_config, max_model_len=self.max_model_len
+            )
         self.runner.allocate_kv_cache(num_blocks)
         salt = f"{self.model_dir or id(model)}:{dtype}"
         self.block_manager = BlockManager(
@@ -109,14 +143,22 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, tensor parallel %d",
             self.model_dir or type(model).__name__,
             self.device,
             dtype,
             num_blocks,
             block_size,
             self.max_model_len,
+            config.tensor_parallel_size,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any, and the grammar threads (idempotent; the workers also
+        stop at interpreter exit)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+        self.structured.shutdown()
 
     def _max_model_len(self, model_limit: int) -> int:
         wanted = self.config.scheduler.max_model_len
@@ -227,12 +269,18 @@ class LLMEngine:
             request.seqs.append(child)
 
         sample_seqs = batch.sample_seqs
-        if failed:
+        # Rows whose grammar raised while filling the mask: those requests fail alone, the batch goes on.
+        broken = self.structured.take_failures(sample_seqs)
+        if failed or broken:
             # The sampler found no possible token for these rows (e.g. a mask that allows nothing): abort them.
             for i in failed:
                 logger.warning("aborting %s: no token could be sampled", sample_seqs[i])
                 self.scheduler.finish(sample_seqs[i], SequenceStatus.FINISHED_ABORTED)
-            failed_rows = set(failed)
+            for i, message in broken.items():
+                if not sample_seqs[i].is_finished:
+                    sample_seqs[i].error = message
+                    self.scheduler.finish(sample_seqs[i], SequenceStatus.FINISHED_ERROR)
+            failed_rows = set(failed) | set(broken)
             keep = [i for i in range(len(sample_seqs)) if i not in failed_rows]
             sample_seqs = [sample_seqs[i] for i in keep]
             sampled.token_ids = [sampled.token_ids[i] for i in keep]

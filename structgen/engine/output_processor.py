@@ -72,10 +72,14 @@ class OutputProcessor:
                 seq.logprobs.append(TokenLogprob(token_id, logprob, top))
                 seq.cumulative_logprob += logprob
             incremental = request.stream or bool(_params(seq).stop)
-            if seq.structured is not None:
-                status = self._advance_grammar(seq, token_id, incremental=incremental)
-            else:
-                status = self._append_text(seq, token_id, incremental=incremental)
+            try:
+                if seq.structured is not None:
+                    status = self._advance_grammar(seq, token_id, incremental=incremental)
+                else:
+                    status = self._append_text(seq, token_id, incremental=incremental)
+            except Exception as error:
+                # A bug in a grammar library or the detokenizer: fail this request, keep the batch going.
+                status = self.fail(seq, error)
             if status is not None:
                 finished.append((seq, status))
         return finished
@@ -98,6 +102,14 @@ class OutputProcessor:
             seq.error = str(error)
             return SequenceStatus.FINISHED_ERROR
         return self.append_forced(seq, forced, incremental=incremental)
+
+    def fail(self, seq: Sequence, error: Exception) -> SequenceStatus:
+        """End `seq` because its grammar or detokenization raised (the error is logged and reported)."""
+        logger.error("%s failed: %r", seq, error, exc_info=error)
+        if seq.structured is not None:
+            self.num_grammar_errors += 1
+        seq.error = f"internal error while producing this output ({type(error).__name__}: {error})"
+        return SequenceStatus.FINISHED_ERROR
 
     def append_forced(self, seq: Sequence, forced: list[int], *, incremental: bool) -> SequenceStatus | None:
         """Append tokens the grammar forces (already accepted by it), with their text and stop checks."""

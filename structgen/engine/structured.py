@@ -105,16 +105,32 @@ class StructuredOutputs:
                 continue
             try:
                 request.start()
-                forced = request.jump_forward() if self.jump_forward else []
             except Exception as error:  # the compile's error: unsupported schema, time limit, bad grammar
                 seq.error = str(error)
                 ended.append((seq, SequenceStatus.FINISHED_ERROR))
                 continue
-            status = output_processor.append_forced(seq, forced, incremental=_incremental(seq, requests))
+            try:
+                forced = request.jump_forward() if self.jump_forward else []
+                status = output_processor.append_forced(seq, forced, incremental=_incremental(seq, requests))
+            except Exception as error:  # a grammar or detokenizer bug: this request alone fails
+                status = output_processor.fail(seq, error)
             if status is not None:
                 ended.append((seq, status))
         self._compiling = still
         return ended
+
+    def take_failures(self, sample_seqs: list[Sequence]) -> dict[int, str]:
+        """{index in `sample_seqs`: error} for the sequences whose grammar raised while filling this step's
+        mask (their sampled token is meaningless: the engine fails them)."""
+        if self.processor is None:
+            return {}
+        index = {id(seq): i for i, seq in enumerate(sample_seqs)}
+        failed = {}
+        for seq, error in self.processor.take_failures():
+            logger.error("%s: filling its token mask failed: %r", seq, error, exc_info=error)
+            if id(seq) in index:
+                failed[index[id(seq)]] = f"internal error in its grammar ({type(error).__name__}: {error})"
+        return failed
 
     def prepare(self, sample_seqs: list[Sequence]) -> None:
         """Start filling the bitmask of this step's constrained rows, to overlap with the forward."""

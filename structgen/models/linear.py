@@ -33,12 +33,15 @@ def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
-def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+def _gather_last_dim_to_rank0(x: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank 0 gets the shards concatenated; the other ranks keep their own shard. Only rank 0 samples, so a
+    gather moves (tp_size - 1) shards where an all-gather would move tp_size x (tp_size - 1)."""
     if tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
+    torch.distributed.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else x
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -272,8 +275,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding so tied checkpoints can share one parameter."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = _all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp_size)
-        return logits[..., : self.num_embeddings] if self.tp_size > 1 else logits
+        """Full-vocabulary logits on rank 0; with tensor parallelism, other ranks get their shard only."""
+        logits = _gather_last_dim_to_rank0(F.linear(hidden_states, self.weight), self.tp_rank, self.tp_size)
+        return logits[..., : self.num_embeddings] if self.tp_size > 1 and self.tp_rank == 0 else logits
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)

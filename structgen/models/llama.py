@@ -197,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size, shared_weight=shared
         )
+        # The KV heads this rank caches: its share, or one replicated head when there are fewer than ranks.
+        self.num_local_kv_heads: int = self.model.layers[0].self_attn.num_kv_heads
 
     def forward(
         self,
@@ -209,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[n, vocab_size]` float32 logits for the rows that sample (the caller selects them first)."""
+        """`[n, vocab_size]` float32 logits for the rows that sample (the caller selects them first); under
+        tensor parallelism every rank must call it, and only rank 0 gets the full vocabulary."""
         return self.lm_head.compute_logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -114,6 +114,16 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.lifecycle = lifecycle
 
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a handled SIGTERM/SIGINT once it has shut down, which kills the process before the
+        # caller's cleanup runs (engine shutdown, tensor-parallel workers). A drained server exits normally.
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
     async def shutdown(self, sockets: Any = None) -> None:
         for server in self.servers:
             server.close()

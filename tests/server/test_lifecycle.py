@@ -110,8 +110,8 @@ def test_sigterm_on_structgen_serve_aborts_in_flight_streams_and_exits() -> None
         assert started.wait(30)
         server.send_signal(signal.SIGTERM)
         streamer.join(30)
-        # uvicorn re-raises the signal it handled once shut down: the exit status is the SIGTERM's.
-        assert server.wait(30) in (0, -signal.SIGTERM)
+        # Drained and shut down: a normal exit (uvicorn would re-raise the signal; GracefulServer does not).
+        assert server.wait(30) == 0
     finally:
         if server.poll() is None:
             server.kill()
