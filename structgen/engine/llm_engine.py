@@ -158,7 +158,9 @@ class LLMEngine:
         stop at interpreter exit)."""
         if self.tp_group is not None:
             self.tp_group.shutdown()
-        self.structured.shutdown()
+        structured = getattr(self, "structured", None)  # absent when the start failed before it was built
+        if structured is not None:
+            structured.shutdown()
 
     def _max_model_len(self, model_limit: int) -> int:
         wanted = self.config.scheduler.max_model_len
