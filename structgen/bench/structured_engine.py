@@ -1,0 +1,196 @@
+"""Structured output inside the engine, measured as ratios within one run (the CPU is shared).
+
+(a) decode throughput with a JSON Schema on every one of `--batch` concurrent requests vs the same requests
+    unconstrained (sampled tokens per second of decode steps; jump-forward off so only the mask costs). The
+    schema's string has a `minLength` beyond `--max-tokens` and both sides ignore EOS, so every request
+    decodes exactly `--max-tokens` tokens on both sides: same batch shapes, the mask is the only difference.
+    The two engines step alternately and each side sums its own step times, so CPU drift hits both alike;
+(c) time to first token of a request whose schema was never seen (compile in WAITING_FOR_GRAMMAR) vs one
+    whose schema is in the compile cache;
+(d) share of output tokens produced by jump-forward on JSONSchemaBench schemas (a few per subset).
+
+    structgen bench structured --model tiny [--json OUT]
+    structgen bench structured                  # the default SmolLM2-135M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from structgen.bench import shared_data
+
+DATA = shared_data()
+# Every request decodes to max_tokens under it: the string cannot close earlier.
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 2000}},
+    "required": ["text"],
+}
+# Free-form enough that a model keeps decoding until max_tokens: the mask changes every step.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "string"},
+    },
+    "required": ["title", "tags", "notes"],
+    "additionalProperties": False,
+}
+
+
+def make_engine(model: str | None, *, jump_forward: bool = True, max_num_seqs: int = 64) -> Any:
+    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+    from structgen.engine.llm_engine import LLMEngine
+    from structgen.structured import StructuredOutputConfig
+
+    config = EngineConfig(
+        model=model,
+        device="cpu",
+        cache=CacheConfig(kv_cache_tokens=32768),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
+        structured=StructuredOutputConfig(jump_forward=jump_forward),
+    )
+    return LLMEngine(config)
+
+
+def params(max_tokens: int, *, seed: int, schema: Any = None, ignore_eos: bool = False) -> Any:
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=schema) if schema is not None else None
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos, structured_outputs=so
+    )
+
+
+def drain(engine: Any) -> dict[str, Any]:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if engine.last_step_num_tokens == 0:
+            time.sleep(0.001)
+    return done
+
+
+def throughput(model: str | None, batch: int, max_tokens: int, schema: Any) -> tuple[float, float]:
+    """Sampled tokens/s of decode steps (unconstrained, constrained). The two engines step alternately, so
+    drift of the shared CPU hits both sides alike; each side's time is the sum of its own steps."""
+    engines = [make_engine(model, jump_forward=False) for _ in range(2)]
+    engines[1].structured.ensure_manager().compile(
+        params(1, seed=0, schema=schema).structured_outputs.to_spec()
+    )
+    for engine, constrained in zip(engines, (None, schema), strict=True):
+        for i in range(batch):
+            p = params(max_tokens, seed=i, schema=constrained, ignore_eos=True)
+            engine.add_request(f"t{i}", f"Item {i}: describe a book as JSON.", p)
+        while engine.counters.num_steps == 0:  # the prefill (all prompts fit one step)
+            engine.step()
+    start_tokens = [e.counters.num_generated_tokens for e in engines]
+    elapsed = [0.0, 0.0]
+    while any(e.has_unfinished() for e in engines):
+        for side, engine in enumerate(engines):
+            if engine.has_unfinished():
+                t0 = time.perf_counter()
+                engine.step()
+                elapsed[side] += time.perf_counter() - t0
+    plain, constrained = (
+        (e.counters.num_generated_tokens - n) / t
+        for e, n, t in zip(engines, start_tokens, elapsed, strict=True)
+    )
+    return plain, constrained
+
+
+def ttft(engine: Any, repeats: int) -> tuple[float, float]:
+    """Median TTFT (s) with a never-seen schema vs the same schema again (compile cache hit)."""
+    cold, warm = [], []
+    for r in range(repeats):
+        schema = json.loads(json.dumps(SCHEMA))
+        schema["properties"][f"field_{r}_{time.time_ns()}"] = {"type": "integer"}
+        for bucket, rid in ((cold, f"cold{r}"), (warm, f"warm{r}")):
+            engine.add_request(rid, "Describe a book as JSON.", params(24, seed=r, schema=schema))
+            out = drain(engine)[rid]
+            bucket.append(out.metrics.ttft)
+    return statistics.median(cold), statistics.median(warm)
+
+
+def bench_schemas(per_subset: int) -> list[tuple[str, Any]]:
+    picked = []
+    for path in sorted((DATA / "jsonschemabench").glob("*.jsonl")):
+        with path.open() as f:
+            for _, line in zip(range(per_subset), f, strict=False):
+                picked.append((path.stem, json.loads(line)["schema"]))
+    return picked
+
+
+def jump_share(engine: Any, per_subset: int, max_tokens: int) -> dict[str, Any]:
+    from structgen.structured import StructuredOutputError
+
+    ids = []
+    for i, (subset, schema) in enumerate(bench_schemas(per_subset)):
+        try:
+            engine.add_request(
+                f"j{i}", "Reply with a JSON example.", params(max_tokens, seed=i, schema=schema)
+            )
+            ids.append((f"j{i}", subset))
+        except StructuredOutputError:
+            pass
+    done = drain(engine)
+    outs = [done[rid].outputs[0] for rid, _ in ids]
+    total = sum(len(o.token_ids) for o in outs)
+    forced = sum(o.structured.forced_tokens for o in outs if o.structured is not None)
+    served = [o for o in outs if o.finish_reason != "error"]
+    return {
+        "requests": len(ids),
+        "served": len(served),
+        "finished_stop": sum(o.finish_reason == "stop" for o in outs),
+        "valid_of_stopped": sum(
+            bool(o.structured and o.structured.valid) for o in outs if o.finish_reason == "stop"
+        ),
+        "tokens": total,
+        "forced": forced,
+        "share": forced / total if total else 0.0,
+        "steps": engine.counters.num_steps,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="registry name (tiny) or None for the default SmolLM2")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ttft-repeats", type=int, default=3)
+    ap.add_argument("--per-subset", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"model": args.model or "smollm2-135m (default)"}
+    plain, constrained = throughput(args.model, args.batch, args.max_tokens, LONG_SCHEMA)
+    result["a_throughput"] = {
+        "unconstrained_tok_s": round(plain, 1),
+        "json_schema_tok_s": round(constrained, 1),
+        "ratio": round(constrained / plain, 3),
+    }
+    cold, warm = ttft(make_engine(args.model), args.ttft_repeats)
+    result["c_ttft"] = {
+        "never_seen_s": round(cold, 3),
+        "cached_s": round(warm, 3),
+        "ratio": round(cold / warm, 2),
+    }
+    result["d_jump_forward"] = jump_share(make_engine(args.model), args.per_subset, args.max_tokens * 2)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,75 @@
+"""`structgen bench NAME [ARGS...]`: run the benchmark module `structgen.bench.<name>` (its own `--help` lists
+its options). Each measures its baseline in the same run, prints a table and the ratio, and takes `--json OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+# name on the command line -> module in structgen.bench, and what it measures
+BENCHMARKS = {
+    "engine": ("engine", "engine throughput vs HF generate, KV waste, prefix caching, decode scaling"),
+    "structured": (
+        "structured_engine",
+        "JSON Schema vs unconstrained decode, compile-cache TTFT, jump-forward",
+    ),
+    "mask-fill": ("mask_fill", "bitmask fill per request-step vs the backend library's own call"),
+    "coverage": ("structured_coverage", "JSONSchemaBench coverage of auto vs llguidance alone (minutes)"),
+    "sampler": ("sampler", "the batched sampler vs torch.argmax"),
+    "server": ("server", "the HTTP server under concurrent load"),
+    "kernels": ("kernels", "Triton kernels vs their torch references"),
+    "tools": ("tools", "tool calling"),
+}
+
+EPILOG = "benchmarks:\n" + "\n".join(f"  {name:<11} {what}" for name, (_, what) in BENCHMARKS.items())
+EPILOG += """
+
+examples:
+  structgen bench engine throughput --model tiny --threads 2 --json engine.json
+  structgen bench structured --model tiny --batch 8 --max-tokens 16
+  structgen bench mask-fill --backends llguidance --repeat 5
+  structgen bench engine --help      # a benchmark's own options
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (engine, structured, mask-fill, coverage, sampler, server, kernels, tools)",
+        description="Run one of the benchmarks shipped in structgen.bench; arguments after NAME go to it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", metavar="NAME", help="a benchmark name (listed below)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    main = _load(args.name)
+    if isinstance(main, str):
+        print(f"structgen bench: {main}", file=sys.stderr)
+        return 2
+    code = main(args.args)
+    return int(code or 0)
+
+
+def _load(name: str) -> Callable[[list[str]], int | None] | str:
+    """The benchmark's `main`, or why there is none."""
+    module_name = BENCHMARKS.get(name, (name.replace("-", "_"), ""))[0]
+    if not module_name.isidentifier():
+        return f"unknown benchmark {name!r} (one of: {', '.join(BENCHMARKS)})"
+    qualified = f"structgen.bench.{module_name}"
+    try:
+        module = importlib.import_module(qualified)
+    except ModuleNotFoundError as e:
+        if e.name != qualified:
+            raise  # the benchmark exists but needs something that is not installed: show what
+        if name in BENCHMARKS:
+            return f"the {name!r} benchmark is not available in this build ({qualified} is missing)"
+        return f"unknown benchmark {name!r} (one of: {', '.join(BENCHMARKS)})"
+    main = getattr(module, "main", None)
+    if not callable(main):
+        return f"{qualified} has no main(argv)"
+    return main

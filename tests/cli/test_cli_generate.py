@@ -1,0 +1,81 @@
+"""`structgen generate`: chat messages from a file, a Pydantic model as the schema, streaming, and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from structgen.cli import main
+
+MODEL = """
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Pick(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # additionalProperties: false, so the object ends after it
+
+    color: Literal["red", "green"]
+"""
+
+
+def test_messages_pydantic_and_stream(tmp_path: Path) -> None:
+    (tmp_path / "picks.py").write_text(MODEL)
+    messages = tmp_path / "chat.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "Pick a color."}]))
+    args = ["--model", "tiny", "--backend", "llguidance", "--messages", messages, "--pydantic", "picks:Pick"]
+    args.append("--stream")
+    result = subprocess.run(
+        [sys.executable, "-m", "structgen.cli", "generate", *map(str, args), "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,  # the model's module is found in the working directory
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) in ({"color": "red"}, {"color": "green"})
+    assert "[finish_reason=stop" in result.stderr
+    assert "valid=True" in result.stderr and "[pydantic Pick: valid]" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("[{", [], "not valid JSON: Expecting property name enclosed in double quotes (line 1)"),
+        ('{"role": "user"}', [], 'expected a non-empty JSON list of {"role", "content"} messages'),
+        ("[]", [], 'expected a non-empty JSON list of {"role", "content"} messages'),
+        ('[{"role": "user", "content": "hi"}]', ["--pydantic", "nosuch_module_xyz:M"], None),
+        (
+            '[{"role": "user", "content": "hi"}]',
+            ["--pydantic", "json"],
+            "--pydantic takes module:Class, got 'json'",
+        ),
+        (
+            '[{"role": "user", "content": "hi"}]',
+            ["--pydantic", "json:dumps"],
+            "--pydantic: json:dumps is not a Pydantic model class",
+        ),
+    ],
+)
+def test_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, extra: list[str], message: str | None
+) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    assert main(["generate", "--messages", str(path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("structgen generate: ")
+    if message is None:
+        assert "cannot import nosuch_module_xyz" in err
+    elif message.startswith("--"):
+        assert err == f"structgen generate: {message}\n"
+    else:
+        assert err == f"structgen generate: {path}: {message}\n"
