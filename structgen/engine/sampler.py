@@ -101,8 +101,11 @@ class Sampler:
             return SamplerOutput(token_ids=[])
         lazy: list[int] = []
         if mask is not None:
-            eager = [i for i in mask.rows if _needs_masked_distribution(rows[i].params)]
-            lazy = [i for i in mask.rows if not _needs_masked_distribution(rows[i].params)]
+            hinted = set(mask.eager)
+            eager = [i for i in mask.rows if i in hinted or _needs_masked_distribution(rows[i].params)]
+            lazy = [
+                i for i in mask.rows if i not in hinted and not _needs_masked_distribution(rows[i].params)
+            ]
             mask.apply(raw, eager)
         x = _apply_history(raw, rows)
         token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
@@ -116,6 +119,7 @@ class Sampler:
         if lazy:
             allowed = mask.allows(lazy, token_ids[lazy])  # type: ignore[union-attr]
             rejected = [i for i, good in zip(lazy, allowed, strict=True) if not good]
+            mask.rejected = rejected  # type: ignore[union-attr]
             if rejected:
                 mask.apply(x, rejected)  # type: ignore[union-attr]
                 if x is not raw:  # so that a row left with nothing is reported as the mask's doing

@@ -110,3 +110,17 @@ def test_a_lazy_row_with_nothing_allowed_is_an_error_naming_the_mask() -> None:
     with pytest.raises(SamplerError, match="structured-output mask") as error:
         Sampler()(logits, rows, mask=TokenMask(bitmask=bitmask, rows=[0, 1, 2]))
     assert error.value.rows == [1]
+
+
+def test_rejections_are_recorded_and_hinted_rows_are_masked_first() -> None:
+    logits = random_logits(3, 64, seed=4)
+    best = logits.argmax(dim=1).tolist()
+    allowed = [[t for t in range(64) if t != best[r]] for r in range(3)]  # every argmax is forbidden
+    bitmask = mask_allowing(64, allowed)
+    rows = [make_row(SamplingParams(temperature=0)) for _ in range(3)]
+    mask = TokenMask(bitmask=bitmask, rows=[0, 1, 2], eager=[1])
+    picks = Sampler()(logits.clone(), rows, mask=mask).token_ids
+    assert mask.rejected == [0, 2]  # row 1 was masked before its pick, so it was never rejected
+    eager = logits.clone()
+    apply_token_bitmask_(eager, bitmask, rows=[0, 1, 2])
+    assert picks == eager.argmax(dim=1).tolist()
