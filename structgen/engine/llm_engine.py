@@ -253,6 +253,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns the outputs of requests that progressed (streaming ones) or finished."""
         ended = self.structured.poll(self.scheduler, self.output_processor, self._requests)
+        ended += self._fork_ended(ended)
         self._finish_all(ended)
         ended_seqs = [seq for seq, _ in ended]
         batch = self.scheduler.schedule()
@@ -293,6 +294,27 @@ class LLMEngine:
         self.counters.num_generated_tokens += len(sample_seqs)
         self._finish_all(self.output_processor.process(sample_seqs, sampled, self._requests))
         return self._collect_outputs(ended_seqs + batch.sample_seqs)
+
+    def _fork_ended(
+        self, ended: list[tuple[Sequence, SequenceStatus]]
+    ) -> list[tuple[Sequence, SequenceStatus]]:
+        """The other `n - 1` samples of requests whose grammar ended them before the prompt ever ran: they end
+        the same way (the forced output is the only one possible)."""
+        children = []
+        for seq, status in ended:
+            if seq.num_pending_forks:
+                request = self._requests[seq.request_id]
+                incremental = request.stream or bool(request.params.stop)
+                for child in self.scheduler.fork_unscheduled(seq):
+                    self.output_processor.start_fork(child, incremental=incremental)
+                    child.output_text, child.stop_reason, child.error = (
+                        seq.output_text,
+                        seq.stop_reason,
+                        seq.error,
+                    )
+                    request.seqs.append(child)
+                    children.append((child, status))
+        return children
 
     def _finish_all(self, ended: list[tuple[Sequence, SequenceStatus]]) -> None:
         for seq, status in ended:

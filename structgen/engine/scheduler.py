@@ -85,6 +85,16 @@ class Scheduler:
     def num_waiting_for_grammar(self) -> int:
         return sum(1 for seq in self.waiting if seq.status is SequenceStatus.WAITING_FOR_GRAMMAR)
 
+    def fork_unscheduled(self, seq: Sequence) -> list[Sequence]:
+        """The pending `n - 1` samples of a sequence that ends before it ever ran (a grammar that forces the
+        whole output): copies of it, with no blocks to share."""
+        children = []
+        for index in range(1, seq.num_pending_forks + 1):
+            generator = self._fork_generator(seq, index) if self._fork_generator else None
+            children.append(seq.fork(next(self._seq_ids), index, generator))
+        seq.num_pending_forks = 0
+        return children
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Mark `seq` finished and return its blocks now; it leaves the queues on the next `schedule()`."""
         assert status.is_finished, status

@@ -13,8 +13,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from structgen import __version__
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import protocol as p
 from structgen.server.context import ServerContext
@@ -23,6 +24,7 @@ from structgen.server.lifecycle import Lifecycle
 from structgen.server.limits import BodySizeLimit, ServerLimits
 from structgen.server.metrics import CONTENT_TYPE, ServerMetrics
 from structgen.server.middleware import RequestLog
+from structgen.server.openapi import add_openapi_route
 from structgen.server.routes_chat import add_chat_route
 from structgen.server.routes_completions import add_completions_route
 
@@ -36,8 +38,9 @@ def build_app(
     limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `model_name`. With `api_key`, every route but `/health`
-    (`/metrics` included) needs `Authorization: Bearer <api_key>`. `app.state.server` is the `ServerContext`
-    (its `lifecycle.drain(timeout)` finishes or aborts in-flight requests; the lifespan runs it on shutdown)."""
+    (`/metrics` and `/openapi.json` included) needs `Authorization: Bearer <api_key>`. `app.state.server` is the
+    `ServerContext` (its `lifecycle.drain(timeout)` finishes or aborts in-flight requests; the lifespan runs it
+    on shutdown)."""
     limits = limits or ServerLimits()
     lifecycle = Lifecycle(engine, limits)
     metrics = ServerMetrics(
@@ -57,7 +60,15 @@ def build_app(
         yield
         await lifecycle.drain()  # a no-op after GracefulServer's drain on SIGTERM
 
-    app = FastAPI(title="structgen", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # The OpenAPI document is served by `add_openapi_route`, behind the key (FastAPI's own route is open).
+    app = FastAPI(
+        title="structgen",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
     app.state.server = ctx
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
@@ -70,7 +81,7 @@ def build_app(
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=[auth])
+    @app.get("/metrics", dependencies=[auth], response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(await metrics.render(), media_type=CONTENT_TYPE)
 
@@ -83,6 +94,7 @@ def build_app(
     add_chat_route(router, ctx)
     add_completions_route(router, ctx)
     app.include_router(router)
+    add_openapi_route(app, dependencies=[auth])
     return app
 
 

@@ -10,12 +10,13 @@ from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.errors import APIError
+from structgen.server.openapi import generation_responses
 from structgen.server.streaming import chat_chunks
 from structgen.server.tool_calls import ChatTools
 
 
 def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
-    @router.post("/chat/completions", response_model=None)
+    @router.post("/chat/completions", response_model=None, responses=generation_responses(p.ChatCompletion))
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model, ctx.model_name)
         params = body.to_sampling_params()

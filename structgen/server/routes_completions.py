@@ -10,12 +10,13 @@ from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.generation import Call, Started
+from structgen.server.openapi import generation_responses
 from structgen.server.routes_chat import check_model
 from structgen.server.streaming import completion_chunks
 
 
 def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
-    @router.post("/completions", response_model=None)
+    @router.post("/completions", response_model=None, responses=generation_responses(p.Completion))
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         check_model(body.model, ctx.model_name)
         params = body.to_sampling_params()

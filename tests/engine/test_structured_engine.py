@@ -188,6 +188,20 @@ def test_n_greater_than_one_forks_the_grammar(make_engine: EngineFactory) -> Non
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_of_a_fully_forced_output(make_engine: EngineFactory, stream: bool) -> None:
+    """A grammar that allows one output ends the request before the prompt runs: still `n` choices."""
+    engine = make_engine()
+    params = SamplingParams(n=3, max_tokens=5, structured_outputs=StructuredOutputsParams(regex="loop"))
+    engine.add_request("forced", "x", params, stream=stream)
+    out = run_all(engine)["forced"]
+    assert [(o.index, o.text, o.finish_reason) for o in out.outputs] == [
+        (i, "loop", "stop") for i in range(3)
+    ]
+    assert all(o.structured is not None and o.structured.valid for o in out.outputs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_max_tokens_marks_the_output_incomplete(make_engine: EngineFactory) -> None:
     engine = make_engine()
     engine.add_request("short", "x", _structured(json=FORCED, max_tokens=3))
