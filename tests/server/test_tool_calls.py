@@ -48,16 +48,11 @@ ASK = [{"role": "user", "content": "What is the weather in Vienna and in Berlin 
 
 
 @pytest.fixture(scope="module")
-def server_url(smollm2_engine: AsyncEngine) -> Iterator[str]:
-    app = build_app(smollm2_engine, smollm2_engine.engine.tokenizer, model_name=MODEL)
-    with serve(app) as url:
-        yield url
+def client(smollm2_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
+    """The SDK on a live server over the shared SmolLM2 engine (left idle afterwards)."""
+    with serve(build_app(smollm2_engine, smollm2_engine.engine.tokenizer, model_name=MODEL)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     wait_idle(smollm2_engine)
-
-
-@pytest.fixture(scope="module")
-def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +211,11 @@ def test_none_answers_in_text(answers: dict[str, Any]) -> None:
         ),
     ],
 )
-def test_bad_tool_requests_are_400(server_url: str, body: dict[str, Any], param: str, message: str) -> None:
+def test_bad_tool_requests_are_400(
+    client: openai.OpenAI, body: dict[str, Any], param: str, message: str
+) -> None:
     response = httpx.post(
-        f"{server_url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body}
+        f"{client.base_url}chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body}
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]

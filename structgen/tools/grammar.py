@@ -1,0 +1,131 @@
+"""The grammar that enforces tool calls: a Lark grammar for llguidance with each function's arguments embedded
+as a JSON Schema (`%json {...}`).
+
+`required` / named: the output is exactly one block of calls (one call when `parallel_tool_calls` is false)
+to the allowed functions, each call's arguments valid against that function's parameters schema.
+
+`auto` is one grammar too, not an engine-level trigger: `start: TEXT | prefix calls`, where `prefix` is a
+*lazy* rule (llguidance ends a lazy lexeme at the first point it can match) of free text followed by the
+format's trigger (`<tool_call>`). Free text that never contains the trigger is accepted as is; the moment the
+trigger is written, the lazy lexeme ends there and the rest must be a well-formed block of calls. Doing it
+in the grammar keeps the engine unaware of tools, keeps jump-forward and the compile cache working, and
+costs nothing while the model writes text (the text regex allows every token). xgrammar's structural tags
+with triggers do the same, but would need a second code path for one backend; llguidance is the default.
+
+Arguments schemas go through the same normalization as `response_format` schemas; a keyword llguidance
+cannot enforce is relaxed (a superset is generated) and the parsed arguments are validated afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from structgen.tools.definitions import ToolChoice, ToolDefinition, ToolError
+from structgen.tools.formats import ToolCallFormat
+
+# Serialize arguments the way the format examples (and `json.dumps`) do: `{"a": 1, "b": 2}`.
+_JSON_OPTIONS = {
+    "key_separator": ": ",
+    "item_separator": ", ",
+    "whitespace_flexible": False,
+    "coerce_one_of": False,
+    "lenient": False,
+}
+_MAX_RELAX_STEPS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentsSchema:
+    """What a function's arguments are generated under; `relaxed`: wider than `parameters`, so validate."""
+
+    schema: dict[str, Any]
+    relaxed: bool
+
+
+def arguments_schema(tool: ToolDefinition) -> ArgumentsSchema:
+    """The normalized (and where needed relaxed) schema the arguments of `tool` are generated under."""
+    from structgen.structured.normalize import normalize_schema, serving_path
+    from structgen.structured.relax import relax
+    from structgen.structured.support import LLGUIDANCE_SUPPORT
+
+    normalized = normalize_schema(tool.parameters)
+    if normalized.schema is False:
+        raise ToolError(f"function {tool.name!r}: no arguments satisfy its parameters schema")
+    schema: Any = {} if normalized.schema is True else normalized.schema
+    changes = list(normalized.changes)
+    for _ in range(_MAX_RELAX_STEPS):
+        found = LLGUIDANCE_SUPPORT.find_unsupported(schema)
+        if not found:
+            break
+        widened, relaxed = relax(schema, found)
+        if widened == schema:
+            first = found[0]
+            raise ToolError(
+                f"function {tool.name!r}: the parameters schema cannot be enforced "
+                f"({first.keyword} at {first.path}: {first.reason})"
+            )
+        schema, changes = widened, changes + relaxed
+    if schema.get("type") != "object":  # arguments are always a JSON object
+        schema = {**schema, "type": "object"}
+    return ArgumentsSchema(schema, serving_path(tuple(changes)) == "relaxed")
+
+
+def tool_call_grammar(tools: Sequence[ToolDefinition], choice: ToolChoice, fmt: ToolCallFormat) -> str:
+    """The Lark source constraining the output for `choice` (`auto`, `required` or `named`)."""
+    if choice.mode == "none":
+        raise ValueError("tool_choice 'none' has no tool-call grammar")
+    allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    if not allowed:
+        raise ToolError("no tools to call", param="tool_choice")
+    rules = ["%llguidance {}"]
+    for i, tool in enumerate(allowed):
+        schema = {**arguments_schema(tool).schema, "x-guidance": _JSON_OPTIONS}
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        rules.append(f"call_{i}: {_lit(fmt.call_head(tool.name))} args_{i} {_lit(fmt.call_tail())}")
+        # The block's first call, written from just after the trigger.
+        first_head = (fmt.begin + fmt.call_head(tool.name))[len(fmt.trigger) :]
+        rules.append(f"first_{i}: {_seq(_lit(first_head), f'args_{i}', _lit(fmt.call_tail()))}")
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(allowed))))
+    rules.append("first: " + " | ".join(f"first_{i}" for i in range(len(allowed))))
+    more = f" ({_lit(fmt.separator)} call)*" if choice.parallel else ""
+    rules.append(f"after_trigger: {_seq('first' + more, _lit(fmt.end))}")
+    if choice.mode == "auto":
+        rules.append("start: TEXT | prefix after_trigger")
+        rules.append(f"prefix[lazy]: TEXT {_lit(fmt.trigger)}")
+        rules.append(r"TEXT: /(.|\n)*/")
+    else:
+        rules.append(f"start: {_lit(fmt.trigger)} after_trigger")
+    grammar = "\n".join(rules) + "\n"
+    _check(grammar, allowed)
+    return grammar
+
+
+def _lit(text: str) -> str:
+    # Lark string literals take JSON-style escapes; "" stands for nothing.
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+def _seq(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+def _check(grammar: str, tools: Sequence[ToolDefinition]) -> None:
+    """Fail here, naming the function, if llguidance refuses an arguments schema."""
+    try:
+        import llguidance
+    except ImportError:  # another backend will report what it refuses when it compiles
+        return
+    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar))
+    if not error:
+        return
+    for tool in tools:
+        schema = {**arguments_schema(tool).schema, "x-guidance": _JSON_OPTIONS}
+        own = llguidance.LLMatcher.validate_grammar(
+            llguidance.grammar_from("json_schema", json.dumps(schema))
+        )
+        if own:
+            raise ToolError(f"function {tool.name!r}: the parameters schema cannot be enforced: {own[:300]}")
+    raise ToolError(f"the tool-call grammar does not compile: {error[:300]}")

@@ -1,0 +1,101 @@
+"""`ToolCallPlan`: everything one tool-calling request needs, built once from `tools` / `tool_choice` and the
+model's chat template — the prompt messages, the structured-output constraint, and the output parsers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from structgen.tools.definitions import (
+    ToolChoice,
+    ToolDefinition,
+    ToolError,
+    parse_tool_choice,
+    parse_tools,
+)
+from structgen.tools.formats import ToolCallFormat, detect_format, get_format, template_supports_tools
+from structgen.tools.grammar import arguments_schema, tool_call_grammar
+from structgen.tools.parser import ParsedOutput, parse_tool_calls
+from structgen.tools.render import render_conversation
+from structgen.tools.streaming import StreamingToolParser
+
+if TYPE_CHECKING:
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallPlan:
+    tools: tuple[ToolDefinition, ...]
+    choice: ToolChoice
+    format: ToolCallFormat
+    template_supports_tools: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        tools: Sequence[Any] | None,
+        tool_choice: Any = None,
+        *,
+        parallel_tool_calls: bool | None = None,
+        chat_template: str | None = None,
+        format: str | None = None,
+    ) -> ToolCallPlan:
+        """Validate the request's tools and choice (ToolError on bad input) and pick the call format from the
+        chat template (or `format` by name)."""
+        parsed = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, parsed, parallel_tool_calls=parallel_tool_calls)
+        if choice.mode != "none":
+            for tool in parsed:
+                arguments_schema(tool)  # an arguments schema that cannot be served fails now, naming its tool
+        fmt = get_format(format) if format is not None else detect_format(chat_template)
+        return cls(tuple(parsed), choice, fmt, template_supports_tools(chat_template))
+
+    @property
+    def active(self) -> bool:
+        """Whether the model is offered tools at all (`tool_choice` other than none)."""
+        return self.choice.mode != "none" and bool(self.tools)
+
+    def conversation(
+        self, messages: Sequence[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, `tools=` for the chat template) for this request."""
+        return render_conversation(
+            messages,
+            self.tools if self.active else (),
+            self.format,
+            template_supports_tools=self.template_supports_tools,
+        )
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output is generated under; None with `tool_choice="none"`."""
+        if not self.active:
+            return None
+        from structgen.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams(grammar=tool_call_grammar(self.tools, self.choice, self.format))
+
+    def sampling_params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params` constrained by this plan's grammar (a request cannot also carry its own constraint)."""
+        from structgen.sampling_params import SamplingParams
+
+        params = params if params is not None else SamplingParams()
+        structured = self.structured_outputs()
+        if structured is None:
+            return params
+        if params.structured_outputs is not None:
+            raise ToolError(
+                "tool calls cannot be combined with another structured-output constraint "
+                "(response_format / structured_outputs); use tool_choice='none' or drop the constraint",
+                param="tool_choice",
+            )
+        return replace(params, structured_outputs=structured)
+
+    def parse(self, text: str) -> ParsedOutput:
+        if not self.active:
+            return ParsedOutput(text, [])
+        return parse_tool_calls(text, self.format, self.tools)
+
+    def stream_parser(self) -> StreamingToolParser:
+        return StreamingToolParser(self.format, self.tools)

@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from shared_data import VLLM_SAMPLES
+from tool_helpers import WEATHER_TOOLS
+
+from structgen.tools import FORMATS, ToolCallPlan, ToolError, arguments_schema, parse_tools
+
+Accepts = Callable[[ToolCallPlan, str], bool]
+VIENNA = ("get_weather", '{"city": "Vienna"}')
+TOKYO = ("get_time", '{"zone": "Asia/Tokyo"}')
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_required_accepts_one_or_more_valid_calls(accepts: Accepts, fmt: str) -> None:
+    plan = ToolCallPlan.build(WEATHER_TOOLS, "required", format=fmt)
+    block = plan.format.render_block
+    assert accepts(plan, block([VIENNA]))
+    assert accepts(plan, block([VIENNA, TOKYO, VIENNA]))
+    assert not accepts(plan, block([("get_weather", '{"town": "Vienna"}')]))  # no such argument
+    assert not accepts(plan, block([("get_time", '{"zone": "tokyo"}')]))  # pattern
+    assert not accepts(plan, block([("get_stock", '{"city": "Vienna"}')]))  # no such function
+    assert not accepts(plan, "Vienna is sunny.")  # text is not a call
+
+
+def test_no_parallel_calls_means_exactly_one(accepts: Accepts) -> None:
+    plan = ToolCallPlan.build(WEATHER_TOOLS, "required", parallel_tool_calls=False)
+    assert accepts(plan, plan.format.render_block([TOKYO]))
+    assert not accepts(plan, plan.format.render_block([TOKYO, VIENNA]))
+
+
+def test_named_function_only(accepts: Accepts) -> None:
+    plan = ToolCallPlan.build(WEATHER_TOOLS, {"type": "function", "function": {"name": "get_time"}})
+    assert accepts(plan, plan.format.render_block([TOKYO, TOKYO]))
+    assert not accepts(plan, plan.format.render_block([VIENNA]))
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_auto_allows_text_or_a_constrained_call(accepts: Accepts, fmt: str) -> None:
+    plan = ToolCallPlan.build(WEATHER_TOOLS, "auto", format=fmt)
+    block = plan.format.render_block([VIENNA])
+    assert accepts(plan, "It is sunny in Vienna today.")
+    assert accepts(plan, block)
+    assert accepts(plan, "Let me look that up.\n" + block)
+    # Once the trigger is written, the rest must be a valid call.
+    assert not accepts(plan, f"Sure {plan.format.trigger} the weather is nice")
+    assert not accepts(plan, "Checking " + plan.format.render_block([("get_weather", '{"city": 3}')]))
+
+
+def test_none_has_no_grammar() -> None:
+    plan = ToolCallPlan.build(WEATHER_TOOLS, "none")
+    assert plan.structured_outputs() is None
+    assert plan.parse("<tool_call> whatever").calls == []
+
+
+def test_vllm_labelled_required_outputs(accepts: Accepts) -> None:
+    """vLLM's 18 labelled outputs for tool_choice="required" (a JSON array of {name, parameters})."""
+    tools = json.loads((VLLM_SAMPLES / "tools.tool_choice_required.json").read_text())
+    cases = json.loads((VLLM_SAMPLES / "tool_choice_required.outputs.json").read_text())
+    assert len(cases) == 18
+    plan = ToolCallPlan.build(tools, "required", format="json_array")
+    got = [accepts(plan, json.dumps(case["output"])) for case in cases]
+    assert got == [case["should_match"] for case in cases]
+    # The same calls in the default format are accepted exactly when they are labelled valid.
+    hermes = ToolCallPlan.build(tools, "required")
+    mapped = 0
+    for case in cases:
+        calls = case["output"]
+        if (
+            isinstance(calls, list)
+            and calls
+            and all(isinstance(c, dict) and list(c) == ["name", "parameters"] for c in calls)
+        ):
+            mapped += 1
+            pairs = [(c["name"], json.dumps(c["parameters"])) for c in calls]
+            assert accepts(hermes, hermes.format.render_block(pairs)) == case["should_match"], calls
+    assert mapped == 10
+
+
+def test_unenforceable_keyword_is_relaxed_and_validated() -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+        },
+    }
+    (definition,) = parse_tools([tool])
+    served = arguments_schema(definition)
+    assert served.relaxed and "uniqueItems" not in json.dumps(served.schema)
+    plan = ToolCallPlan.build([tool], "required")
+    parsed = plan.parse(plan.format.render_block([("tag", '{"tags": ["a", "a"]}')]))
+    assert parsed.calls[0].error is not None and "non-unique" in parsed.calls[0].error
+
+
+def test_unsatisfiable_parameters_name_the_tool() -> None:
+    tool = {"type": "function", "function": {"name": "never", "parameters": {"type": "object", "not": {}}}}
+    with pytest.raises(ToolError, match="'never'"):
+        ToolCallPlan.build([tool], "required")
+
+
+def test_tools_cannot_be_combined_with_another_constraint() -> None:
+    from structgen import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+    plan = ToolCallPlan.build(WEATHER_TOOLS, "required")
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(ToolError, match="cannot be combined"):
+        plan.sampling_params(params)
+    assert plan.sampling_params(None).structured_outputs is not None
+    assert ToolCallPlan.build(WEATHER_TOOLS, "none").sampling_params(params) is params
