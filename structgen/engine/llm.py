@@ -164,6 +164,8 @@ class LLM:
                     for out in engine.step():
                         results[out.request_id] = out
                         advance(sum(len(o.token_ids) for o in out.outputs))
+                    if engine.last_step_num_tokens == 0:  # every request waits for its grammar
+                        engine.structured.wait(timeout=0.05)
             except BaseException:
                 engine.abort(ids)
                 raise

@@ -12,6 +12,8 @@ filling the batch bitmask on the mask thread; the installed `StructuredLogitsPro
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 from structgen.engine.sampler import make_generator
@@ -131,6 +133,13 @@ class StructuredOutputs:
             if id(seq) in index:
                 failed[index[id(seq)]] = f"internal error in its grammar ({type(error).__name__}: {error})"
         return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until some grammar being compiled is ready (or `timeout` s pass): what a step loop does when
+        every request waits for its grammar, instead of spinning and taking the compile's CPU."""
+        futures = [seq.structured.future for seq in self._compiling if seq.structured is not None]
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def prepare(self, sample_seqs: list[Sequence]) -> None:
         """Start filling the bitmask of this step's constrained rows, to overlap with the forward."""

@@ -51,3 +51,34 @@ def test_chat(llm: LLM) -> None:
     assert len(single) == 1 and len(batch) == 2
     assert single[0].prompt is not None and "<|im_start|>assistant" in single[0].prompt
     assert single[0].outputs[0].token_ids == batch[0].outputs[0].token_ids
+
+
+def test_waiting_for_a_grammar_does_not_spin(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While every request waits for its grammar the loop blocks on the compile instead of stepping: a spinning
+    loop takes the CPU the compile needs (on 2 cores, with the compile thread niced)."""
+    import time
+
+    from structgen.structured import StructuredOutputsParams
+
+    engine = llm.engine
+    manager = engine.structured.ensure_manager()
+    slow = manager._compile  # noqa: SLF001 - the one place a compile's duration can be stretched
+
+    def compile_slowly(*args: object, **kwargs: object) -> object:
+        time.sleep(0.5)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "_compile", compile_slowly)
+    steps = 0
+    step = engine.step
+
+    def counted() -> list:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted)
+    spec = StructuredOutputsParams(regex=r"[0-9]{3}x" + str(time.time_ns()))  # never seen: compiled now
+    out = llm.generate("n", SamplingParams(max_tokens=4, structured_outputs=spec))[0]
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    assert steps < 40  # 0.5 s of compile: a few waits of 50 ms, then the decode steps
