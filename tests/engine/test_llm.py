@@ -62,7 +62,7 @@ def test_waiting_for_a_grammar_does_not_spin(llm: LLM, monkeypatch: pytest.Monke
 
     engine = llm.engine
     manager = engine.structured.ensure_manager()
-    slow = manager._compile  # noqa: SLF001 - the one place a compile's duration can be stretched
+    slow = manager._compile  # the one place where a compile can be made slow
 
     def compile_slowly(*args: object, **kwargs: object) -> object:
         time.sleep(0.5)
