@@ -10,12 +10,14 @@ validated against the original schema.
 from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBackend, create_backend
 from structgen.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_, bitmask_width
 from structgen.structured.errors import (
+    CompileBusyError,
     CompileTimeoutError,
     GrammarRejectedTokenError,
     InvalidSpecError,
     StructuredOutputError,
     UnsupportedSchemaError,
 )
+from structgen.structured.limits import SchemaLimits
 from structgen.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from structgen.structured.normalize import SchemaChange, ServingPath, normalize_schema
 from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
@@ -26,12 +28,14 @@ from structgen.structured.validate import ValidationResult, validate_output
 
 __all__ = [
     "BACKEND_NAMES",
+    "CompileBusyError",
     "CompileTimeoutError",
     "CompiledSpec",
     "Grammar",
     "GrammarRejectedTokenError",
     "InvalidSpecError",
     "SchemaChange",
+    "SchemaLimits",
     "ServingPath",
     "StructuredBackend",
     "StructuredLogitsProcessor",

@@ -44,5 +44,15 @@ class CompileTimeoutError(StructuredOutputError):
         super().__init__(f"compiling the grammar for {what} exceeded the {limit_s:g} s limit")
 
 
+class CompileBusyError(StructuredOutputError):
+    """Too many earlier compiles are still running past their time limit: new ones are refused for now."""
+
+    def __init__(self, num_running: int):
+        self.num_running = num_running
+        super().__init__(
+            f"{num_running} grammar compiles are still running past their time limit; try again later"
+        )
+
+
 class GrammarRejectedTokenError(StructuredOutputError):
     """A sampled token was rejected by its grammar: the mask and the matcher disagree, which is a bug."""

@@ -4,6 +4,10 @@
 polls `done()`); compiles run on a thread pool (the libraries release the GIL), results land in an LRU
 cache keyed by (backend choice, canonical spec, options, tokenizer id), concurrent requests for the same
 spec share one compile, and a compile that outlives the time limit fails its future with a clear error.
+Before compiling, `config.limits` (limits.py) refuses a spec whose cost could be unbounded. A timed-out compile
+still queued is cancelled; one running in native code cannot be interrupted, so its thread is abandoned (it
+finishes in the background, niced, and a late result is still cached) and later compiles go to a fresh pool;
+past `max_abandoned_compiles` still running, new compiles are refused (`CompileBusyError`) until some end.
 `fill_bitmask_async` fills the rows of a step's constrained requests on a worker thread while the model
 forward runs; each backend fills its rows in one native batched call.
 """
@@ -130,13 +134,10 @@ class StructuredOutputManager:
                 return cached
             self.stats.misses += 1
             outer: Future[CompiledSpec] = Future()
-            refused = self._refuse(spec)
-            if refused is not None:
-                outer.set_exception(refused)
-                if isinstance(refused, CompileBusyError):
-                    return outer  # busy now, not later: not cached
-                self._insert(key, outer)
-                return outer
+            if len(self._abandoned) > self.config.max_abandoned_compiles:
+                self.stats.failures += 1
+                outer.set_exception(CompileBusyError(len(self._abandoned)))
+                return outer  # busy now, not later: not cached
             self._insert(key, outer)
         limit = self.config.compile_timeout_s
         inner = self._submit_compile(spec, limit)
@@ -145,20 +146,6 @@ class StructuredOutputManager:
         inner.add_done_callback(lambda f: self._finish(key, outer, f, timer))
         timer.start()
         return outer
-
-    def _refuse(self, spec: StructuredSpec) -> StructuredOutputError | None:
-        """Why `spec` must not start compiling (over a limit, or too many stuck compiles); None if it may.
-        Called with the lock held: the limits walk is linear in the (bounded) spec size."""
-        try:
-            self.config.limits.check(spec)
-        except StructuredOutputError as error:
-            self.stats.refused_by_limits += 1
-            self.stats.failures += 1
-            return error
-        if len(self._abandoned) > self.config.max_abandoned_compiles:
-            self.stats.failures += 1
-            return CompileBusyError(len(self._abandoned))
-        return None
 
     def _submit_compile(self, spec: StructuredSpec, limit: float) -> Future[CompiledSpec]:
         while True:
@@ -182,6 +169,13 @@ class StructuredOutputManager:
         return self.submit(spec).result()
 
     def _compile(self, spec: StructuredSpec, limit: float) -> CompiledSpec:
+        # The limits walk (milliseconds, linear in the spec) runs here, not on the caller's (step) thread.
+        try:
+            self.config.limits.check(spec)
+        except StructuredOutputError:
+            with self._lock:
+                self.stats.refused_by_limits += 1
+            raise
         backends = [self.backend(name) for name in self._order]
         return compile_spec(spec, backends, time_limit_s=limit)
 

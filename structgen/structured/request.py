@@ -22,7 +22,7 @@ from structgen.engine.token_mask import TokenMask
 from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
-from structgen.structured.manager import StructuredOutputManager
+from structgen.structured.manager import FillFailures, StructuredOutputManager
 from structgen.structured.select import CompiledSpec
 from structgen.structured.spec import StructuredOutputsParams
 from structgen.structured.validate import ValidationResult, validate_output
@@ -145,7 +145,10 @@ class StructuredLogitsProcessor:
         # rows whose pick the mask would change.
         self.defer = defer
         self._bitmask = manager.allocate_bitmask(64)
-        self._pending: tuple[list[Any], list[int], Future[None]] | None = None
+        self._pending: tuple[list[Any], list[int], Future[FillFailures]] | None = None
+        # Sequences whose grammar raised while filling the last mask; the engine fails them (`take_failures`).
+        self._failures: list[tuple[Any, Exception]] = []
+        self._last: tuple[list[Any], TokenMask] | None = None  # the last step's sequences and deferred mask
 
     def prepare(self, seqs: Sequence[Any]) -> None:
         self._settle()
@@ -164,14 +167,31 @@ class StructuredLogitsProcessor:
             pending = self._pending
         assert pending is not None
         self._pending = None
-        _, rows, future = pending
-        future.result()
+        seqs_, rows, future = pending
+        failures = future.result()
+        if failures:
+            # Those rows go unmasked (their sample is discarded) and their requests fail after this step.
+            failed = {row for row, _ in failures}
+            self._failures.extend((seqs_[row], error) for row, error in failures)
+            rows = [row for row in rows if row not in failed]
         if not rows:
             return None
         if self.defer:
-            return TokenMask(bitmask=self._bitmask, rows=rows)
+            # Rows whose pick was rejected at the last step are masked first this time (see TokenMask).
+            last, self._last = self._last, None
+            rejected = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
+            mask = TokenMask(
+                bitmask=self._bitmask, rows=rows, eager=[r for r in rows if id(seqs[r]) in rejected]
+            )
+            self._last = (list(seqs), mask)
+            return mask
         apply_token_bitmask_(logits, self._bitmask, rows=rows)
         return None
+
+    def take_failures(self) -> list[tuple[Any, Exception]]:
+        """(sequence, error) for each sequence whose grammar failed to fill its mask since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _settle(self) -> None:
         # A fill still writing into the bitmask must finish before the bitmask is reused.
@@ -190,7 +210,7 @@ class StructuredLogitsProcessor:
         return items
 
 
-def _done() -> Future[None]:
-    future: Future[None] = Future()
-    future.set_result(None)
+def _done() -> Future[FillFailures]:
+    future: Future[FillFailures] = Future()
+    future.set_result([])
     return future

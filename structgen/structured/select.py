@@ -122,6 +122,8 @@ def compile_spec(
 
 def _validatable(found: Unsupported, schema: Any) -> bool:
     """Dropping a keyword is only safe if `jsonschema` will still check it on the output."""
+    if found.keyword == "properties":
+        return False  # a compile-cost bound: dropping every property would leave no useful grammar
     if found.keyword in ("$ref", "$dynamicRef", "$recursiveRef"):
         # Keywords next to a $ref can be dropped; a reference that cannot be resolved cannot be checked.
         return found.keyword == "$ref" and ("next to $ref" in found.reason or "sibling keys" in found.reason)

@@ -160,10 +160,16 @@ def _load_schema(value: Any) -> dict[str, Any] | bool:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise InvalidSpecError(f"json schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidSpecError("json schema nests too deeply to be parsed") from None
     if not isinstance(value, dict | bool):
         raise InvalidSpecError(f"a JSON Schema must be an object or a boolean, got {type(value).__name__}")
     try:
         canonical_json(value)
     except (TypeError, ValueError) as e:
         raise InvalidSpecError(f"json schema cannot be serialized as JSON: {e}") from None
+    except RecursionError:
+        from structgen.structured.limits import too_deep
+
+        raise InvalidSpecError(too_deep(value)) from None
     return value

@@ -1,0 +1,383 @@
+"""A corpus of malformed and hostile requests against the app on `tiny`: each gets the right 4xx with an
+OpenAI error body (no 500, no traceback text), quickly, and the server then still serves a normal request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from structgen.engine.async_engine import AsyncEngine
+from structgen.server import build_app
+
+KEY = "bad-input-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSG = [{"role": "user", "content": "Hi"}]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+JSON = {"content-type": "application/json"}
+
+
+def _schema(schema: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "messages": MSG,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        **extra,
+    }
+
+
+def _deep_schema_body(depth: int) -> bytes:
+    # Written out by hand: json.dumps (and so httpx) gives up before 1,000 levels.
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+    head = json.dumps(_schema("SCHEMA"))
+    return head.replace('"SCHEMA"', schema).encode()
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+# (id, method, path, request kwargs, expected status). Bodies given as `json` are serialized by httpx; `content`
+# is sent as raw bytes.
+CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
+    # -- not JSON / wrong shape ----------------------------------------------------------------------------
+    ("empty body", "POST", CHAT, {"content": b"", "headers": JSON}, 400),
+    ("truncated json", "POST", CHAT, {"content": b'{"messages": [', "headers": JSON}, 400),
+    ("not json", "POST", CHAT, {"content": b"hello there", "headers": JSON}, 400),
+    ("json array body", "POST", CHAT, {"json": [1, 2, 3]}, 400),
+    ("json string body", "POST", CHAT, {"json": "messages"}, 400),
+    ("json null body", "POST", CHAT, {"content": b"null", "headers": JSON}, 400),
+    (
+        "invalid utf-8",
+        "POST",
+        CHAT,
+        {"content": b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "headers": JSON},
+        400,
+    ),
+    (
+        "NaN literal",
+        "POST",
+        CHAT,
+        {"content": b'{"messages": [{"role":"user","content":"x"}], "temperature": NaN}', "headers": JSON},
+        400,
+    ),
+    (
+        "deeply nested body",
+        "POST",
+        CHAT,
+        {"content": b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "headers": JSON},
+        400,
+    ),
+    (
+        "50 MB body",
+        "POST",
+        CHAT,
+        {"content": b'{"messages": "' + b"a" * (50 * 2**20) + b'"}', "headers": JSON},
+        413,
+    ),
+    # -- messages -------------------------------------------------------------------------------------------
+    ("missing messages", "POST", CHAT, {"json": {"model": "tiny"}}, 400),
+    ("messages null", "POST", CHAT, {"json": {"messages": None}}, 400),
+    ("messages empty", "POST", CHAT, {"json": {"messages": []}}, 400),
+    ("messages not a list", "POST", CHAT, {"json": {"messages": "hello"}}, 400),
+    ("message not an object", "POST", CHAT, {"json": {"messages": ["hello"]}}, 400),
+    ("message without role", "POST", CHAT, {"json": {"messages": [{"content": "hi"}]}}, 400),
+    ("unknown role", "POST", CHAT, {"json": {"messages": [{"role": "wizard", "content": "hi"}]}}, 400),
+    ("role wrong type", "POST", CHAT, {"json": {"messages": [{"role": 7, "content": "hi"}]}}, 400),
+    ("content wrong type", "POST", CHAT, {"json": {"messages": [{"role": "user", "content": 42}]}}, 400),
+    (
+        "content part unknown",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}},
+        400,
+    ),
+    # -- sampling fields ----------------------------------------------------------------------------------
+    ("n zero", "POST", CHAT, {"json": {"messages": MSG, "n": 0}}, 400),
+    ("n huge", "POST", CHAT, {"json": {"messages": MSG, "n": 1_000_000}}, 400),
+    ("n string", "POST", CHAT, {"json": {"messages": MSG, "n": "two"}}, 400),
+    ("max_tokens negative", "POST", CHAT, {"json": {"messages": MSG, "max_tokens": -5}}, 400),
+    ("max_tokens zero", "POST", CHAT, {"json": {"messages": MSG, "max_tokens": 0}}, 400),
+    ("max_tokens huge", "POST", CHAT, {"json": {"messages": MSG, "max_tokens": 10**12}}, 400),
+    ("max_tokens float", "POST", CHAT, {"json": {"messages": MSG, "max_tokens": 3.5}}, 400),
+    (
+        "max_completion_tokens negative",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "max_completion_tokens": -1}},
+        400,
+    ),
+    ("temperature negative", "POST", CHAT, {"json": {"messages": MSG, "temperature": -1}}, 400),
+    (
+        "temperature infinite",
+        "POST",
+        CHAT,
+        {
+            "content": b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}',
+            "headers": JSON,
+        },
+        400,
+    ),
+    ("temperature string", "POST", CHAT, {"json": {"messages": MSG, "temperature": "hot"}}, 400),
+    ("top_p above one", "POST", CHAT, {"json": {"messages": MSG, "top_p": 1.5}}, 400),
+    ("top_p zero", "POST", CHAT, {"json": {"messages": MSG, "top_p": 0}}, 400),
+    ("top_logprobs without logprobs", "POST", CHAT, {"json": {"messages": MSG, "top_logprobs": 3}}, 400),
+    (
+        "top_logprobs huge",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 10_000}},
+        400,
+    ),
+    ("seed string", "POST", CHAT, {"json": {"messages": MSG, "seed": "abc"}}, 400),
+    ("stop wrong type", "POST", CHAT, {"json": {"messages": MSG, "stop": 12}}, 400),
+    ("stream wrong type", "POST", CHAT, {"json": {"messages": MSG, "stream": {"on": True}}}, 400),
+    (
+        "prompt over the context",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}},
+        400,
+    ),
+    # -- response_format / structured outputs ----------------------------------------------------------------
+    (
+        "response_format unknown type",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "response_format": {"type": "xml"}}},
+        400,
+    ),
+    (
+        "json_schema without schema",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}},
+        400,
+    ),
+    ("schema not an object", "POST", CHAT, {"json": _schema(42)}, 400),
+    ("schema type unknown", "POST", CHAT, {"json": _schema({"type": "banana"})}, 400),
+    ("schema required not a list", "POST", CHAT, {"json": _schema({"type": "object", "required": "a"})}, 400),
+    ("schema unresolvable ref", "POST", CHAT, {"json": _schema({"$ref": "#/$defs/missing"})}, 400),
+    ("schema file ref", "POST", CHAT, {"json": _schema({"$ref": "file:///etc/passwd"})}, 400),
+    (
+        "schema http ref",
+        "POST",
+        CHAT,
+        {"json": _schema({"$ref": "http://169.254.169.254/latest/meta-data"})},
+        400,
+    ),
+    ("schema nested 1000 levels", "POST", CHAT, {"content": _deep_schema_body(1000), "headers": JSON}, 400),
+    (
+        "schema 10000 properties",
+        "POST",
+        CHAT,
+        {
+            "json": _schema(
+                {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10_000)}}
+            )
+        },
+        400,
+    ),
+    ("schema enum 100000", "POST", CHAT, {"json": _schema({"enum": [f"v{i}" for i in range(100_000)]})}, 400),
+    (
+        "schema unsatisfiable",
+        "POST",
+        CHAT,
+        {"json": _schema({"type": "string", "minLength": 5, "maxLength": 2})},
+        400,
+    ),
+    ("schema invalid pattern", "POST", CHAT, {"json": _schema({"type": "string", "pattern": "([a-z"})}, 400),
+    ("guided_regex invalid", "POST", CHAT, {"json": {"messages": MSG, "guided_regex": "(unclosed"}}, 400),
+    (
+        "guided_regex catastrophic look-around",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "guided_regex": "(?=(a+)+)b"}},
+        400,
+    ),
+    (
+        "guided_grammar unparsable",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "guided_grammar": 'root ::= ( "a" | '}},
+        400,
+    ),
+    (
+        "guided_grammar lark garbage",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "guided_grammar": "start: ::: }}}"}},
+        400,
+    ),
+    ("guided_choice empty", "POST", CHAT, {"json": {"messages": MSG, "guided_choice": []}}, 400),
+    ("guided_choice not strings", "POST", CHAT, {"json": {"messages": MSG, "guided_choice": [1, 2]}}, 400),
+    (
+        "two structured kinds",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "guided_regex": "a+", "guided_choice": ["a"]}},
+        400,
+    ),
+    (
+        "structured_outputs wrong type",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "structured_outputs": "json"}},
+        400,
+    ),
+    # -- tools -------------------------------------------------------------------------------------------
+    (
+        "tool_choice names a missing tool",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": MSG,
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            }
+        },
+        400,
+    ),
+    (
+        "tool_choice required without tools",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "tool_choice": "required"}},
+        400,
+    ),
+    (
+        "tool_choice unknown string",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}},
+        400,
+    ),
+    ("tools not a list", "POST", CHAT, {"json": {"messages": MSG, "tools": {"a": 1}}}, 400),
+    (
+        "tool without name",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "tools": [{"type": "function", "function": {}}]}},
+        400,
+    ),
+    (
+        "tool parameters with file ref",
+        "POST",
+        CHAT,
+        {
+            "json": {
+                "messages": MSG,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"$ref": "file:///etc/passwd"}},
+                    }
+                ],
+                "tool_choice": "required",
+            }
+        },
+        400,
+    ),
+    # -- completions ---------------------------------------------------------------------------------------
+    ("completions missing prompt", "POST", COMPLETIONS, {"json": {"max_tokens": 4}}, 400),
+    ("completions prompt wrong type", "POST", COMPLETIONS, {"json": {"prompt": {"text": "hi"}}}, 400),
+    ("completions empty prompt list", "POST", COMPLETIONS, {"json": {"prompt": []}}, 400),
+    (
+        "completions token ids out of vocab",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": [10**9], "max_tokens": 2}},
+        400,
+    ),
+    (
+        "completions negative token id",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": [-1, 5], "max_tokens": 2}},
+        400,
+    ),
+    ("completions echo with bad max", "POST", COMPLETIONS, {"json": {"prompt": "hi", "max_tokens": -3}}, 400),
+    # -- routing and auth -------------------------------------------------------------------------------------
+    ("unknown route", "POST", "/v1/embeddings", {"json": {"input": "x"}}, 404),
+    ("wrong method", "GET", CHAT, {}, 405),
+    ("no api key", "POST", CHAT, {"json": {"messages": MSG}, "auth": None}, 401),
+    ("wrong api key", "POST", CHAT, {"json": {"messages": MSG}, "auth": "Bearer nope"}, 401),
+]
+
+
+@pytest.fixture(scope="module")
+def client(server_tiny_engine: AsyncEngine) -> Any:
+    return build_app(server_tiny_engine, server_tiny_engine.engine.tokenizer, model_name="tiny", api_key=KEY)
+
+
+def _send(app: Any, method: str, path: str, kwargs: dict[str, Any]) -> httpx.Response:
+    kwargs = dict(kwargs)
+    headers = {**AUTH, **kwargs.pop("headers", {})}
+    if "auth" in kwargs:  # the Authorization header to send instead, or None for none
+        auth = kwargs.pop("auth")
+        headers.pop("Authorization")
+        if auth is not None:
+            headers["Authorization"] = auth
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            return await http.request(method, path, headers=headers, **kwargs)
+
+    return asyncio.run(main())
+
+
+def test_the_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 60
+    assert len({case[0] for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("name", "method", "path", "kwargs", "status"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_clean_4xx(
+    name: str, method: str, path: str, kwargs: dict[str, Any], status: int, client: Any
+) -> None:
+    start = time.perf_counter()
+    response = _send(client, method, path, kwargs)
+    elapsed = time.perf_counter() - start
+    assert response.status_code == status, f"{name}: {response.status_code} {response.text[:300]}"
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    message = body["error"]["message"]
+    assert message and "Traceback" not in message and 'File "' not in message, message
+    assert len(message) < 5000
+    assert elapsed < 30, f"{name} took {elapsed:.1f} s"
+
+
+def test_normal_request_still_works_afterwards(client: Any, server_tiny_engine: AsyncEngine) -> None:
+    for _name, method, path, kwargs, _ in CASES[:12]:  # the malformed-body part again, then a good request
+        _send(client, method, path, kwargs)
+    response = _send(client, "POST", CHAT, {"json": {"messages": MSG, "max_tokens": 5}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    structured = _send(
+        client,
+        "POST",
+        CHAT,
+        {
+            "json": _schema(
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, max_tokens=30
+            )
+        },
+    )
+    assert structured.status_code == 200, structured.text
+    deadline = time.monotonic() + 10
+    while server_tiny_engine.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server_tiny_engine.engine.has_unfinished()
+    assert json.loads(json.dumps(body))  # the body is plain JSON
