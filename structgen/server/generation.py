@@ -77,7 +77,12 @@ async def start(
 
 
 async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> RequestOutput:
-    from structgen.structured import CompileTimeoutError, StructuredOutputError, UnsupportedSchemaError
+    from structgen.structured import (
+        CompileBusyError,
+        CompileTimeoutError,
+        StructuredOutputError,
+        UnsupportedSchemaError,
+    )
 
     try:
         return await anext(stream)
@@ -91,6 +96,8 @@ async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> Reques
         raise APIError(400, str(error), param="response_format", code="unsupported_schema") from None
     except CompileTimeoutError as error:
         raise APIError(400, str(error), param="response_format", code="compile_timeout") from None
+    except CompileBusyError as error:  # earlier compiles still hold the workers: not this request's fault
+        raise APIError(503, str(error), code="compile_busy", headers={"Retry-After": "5"}) from None
     except (StructuredOutputError, ValueError) as error:  # prompt too long, n over max_num_seqs, bad spec
         raise APIError(400, str(error), code="invalid_request") from None
     except EngineDeadError as error:

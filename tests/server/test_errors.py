@@ -4,6 +4,7 @@ the engine's time limit, each a 400 in OpenAI's shape (plain and streamed)."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 
 from server_helpers import USER, assert_error, call, tiny_engine
 
@@ -40,3 +41,15 @@ def test_a_compile_over_the_time_limit_is_a_400() -> None:
         assert plain.status_code == 200 and json.loads(plain.text)["choices"][0]["text"] is not None
     finally:
         slow.shutdown()
+
+
+def test_compiles_stuck_past_their_limit_make_new_ones_a_503(engine: AsyncEngine, monkeypatch) -> None:
+    """Not the request's fault: 503 with Retry-After, so clients back off instead of giving up."""
+    app = build_app(engine, engine.engine.tokenizer, model_name="tiny")
+    manager = engine.engine.structured.ensure_manager()
+    stuck = {Future() for _ in range(manager.config.max_abandoned_compiles + 1)}  # never finishing compiles
+    monkeypatch.setattr(manager, "_abandoned", stuck)
+    body = {"messages": USER, "max_tokens": 3, "response_format": _json_schema({"type": "array"})}
+    response = call(app, "POST", "/v1/chat/completions", json=body, headers=None)
+    error = assert_error(response, 503, "try again later")
+    assert error["code"] == "compile_busy" and response.headers["retry-after"] == "5"
