@@ -17,6 +17,9 @@ WhitespaceMode = Literal["compact", "flexible"]
 # A GBNF/EBNF rule is `name ::= ...`; Lark writes `name: ...`.
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
 DEFAULT_MAX_WHITESPACE = 4
+# A `$ref` inside a grammar's embedded JSON Schema (`%json {...}`): only local ones ("#...") may stand, so no
+# grammar can make a backend read a file or fetch a URL.
+_GRAMMAR_REF = re.compile(r'"\$ref"\s*:\s*"([^"]*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,12 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise InvalidSpecError("grammar must be a non-empty Lark or EBNF/GBNF string")
+            for ref in _GRAMMAR_REF.findall(self.grammar):
+                if not ref.startswith("#"):
+                    raise InvalidSpecError(
+                        f"grammar: $ref {ref!r} is not allowed; schemas inside a grammar may only use local "
+                        "references ('#/$defs/...')"
+                    )
             syntax: GrammarSyntax = "ebnf" if _EBNF_RULE.search(self.grammar) else "lark"
             return StructuredSpec("grammar", self.grammar, syntax=syntax, **ws)
         choice = self.choice

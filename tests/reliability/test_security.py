@@ -113,6 +113,10 @@ PLACES = {
         "tool_choice": "required",
     },
     "guided_json": lambda schema: {"messages": USER, "guided_json": schema},
+    "a grammar's %json": lambda schema: {
+        "messages": USER,
+        "guided_grammar": f"start: %json {json.dumps(schema)}",
+    },
 }
 REFS = [
     "file://{file}",
