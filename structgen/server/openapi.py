@@ -35,7 +35,9 @@ _SCHEMAS = "#/components/schemas/{model}"
 
 def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a generation route answering `model`, or an SSE stream of its chunks."""
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    # Each Server-Sent Event: its `data` is a JSON chunk (or the closing `[DONE]`).
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    sse = {"text/event-stream": {"schema": event}}
     return {200: {"model": model, "description": "the completion, or its chunks as SSE", "content": sse}}
 
 

@@ -97,3 +97,28 @@ def test_the_server_keeps_to_its_openapi_document(api_schema: Any, mode: Any) ->
     assert not failures, "\n\n".join(f"{label}: {error}" for label, error in failures.items())
     print(f"{mode} requests sent per operation: {sent}")
     assert sent["POST /v1/chat/completions"] >= 5 and sent["POST /v1/completions"] >= 5, sent
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "b"]},
+        ),
+    ],
+    ids=["chat-stream", "completion-stream", "chat-choice"],
+)
+def test_real_responses_conform_to_the_document(api_schema: Any, path: str, body: dict[str, Any]) -> None:
+    """Not left to chance: a streamed answer's SSE events and a plain answer validate against the document."""
+    case = api_schema[path]["POST"].Case(body=body | {"max_tokens": 3})
+    case.call_and_validate(
+        headers=AUTH,
+        timeout=CALL_TIMEOUT_S,
+        checks=[
+            schemathesis.checks.response_schema_conformance,
+            schemathesis.checks.content_type_conformance,
+        ],
+    )
