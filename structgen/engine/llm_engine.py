@@ -307,11 +307,8 @@ class LLMEngine:
                 incremental = request.stream or bool(request.params.stop)
                 for child in self.scheduler.fork_unscheduled(seq):
                     self.output_processor.start_fork(child, incremental=incremental)
-                    child.output_text, child.stop_reason, child.error = (
-                        seq.output_text,
-                        seq.stop_reason,
-                        seq.error,
-                    )
+                    child.output_text, child.stop_reason = seq.output_text, seq.stop_reason
+                    child.error, child.error_code = seq.error, seq.error_code
                     request.seqs.append(child)
                     children.append((child, status))
         return children

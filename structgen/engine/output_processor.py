@@ -234,6 +234,7 @@ class OutputProcessor:
                     delta_text=text[seq.num_sent_chars :],
                     delta_token_ids=seq.output_token_ids[seq.num_sent_tokens :],
                     error=seq.error,
+                    error_code=seq.error_code,
                     structured=_report(seq) if seq.structured is not None else None,
                 )
             )

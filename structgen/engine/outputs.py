@@ -53,6 +53,9 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # Why the request failed when `finish_reason == "error"` (a grammar that cannot compile...).
     error: str | None = None
+    error_code: str | None = (
+        None  # its kind when the engine knows it ("compile_timeout", "unsupported_schema")
+    )
     # For structured requests: how it was served and whether the output validates (`StructuredReport`).
     structured: StructuredReport | None = None
 

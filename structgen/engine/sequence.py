@@ -64,6 +64,7 @@ class Sequence:
         "cumulative_logprob",
         "detokenizer",
         "error",
+        "error_code",
         "finish_reason",
         "generator",
         "index",
@@ -133,6 +134,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # a machine-readable kind of `error`, e.g. "compile_timeout"
         # The request's grammar state (`structgen.structured.StructuredRequest`), None when unconstrained.
         self.structured: Any = None
 

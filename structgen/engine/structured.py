@@ -108,7 +108,12 @@ class StructuredOutputs:
             try:
                 request.start()
             except Exception as error:  # the compile's error: unsupported schema, time limit, bad grammar
+                from structgen.structured import CompileTimeoutError
+
                 seq.error = str(error)
+                seq.error_code = (
+                    "compile_timeout" if isinstance(error, CompileTimeoutError) else "unsupported_schema"
+                )
                 ended.append((seq, SequenceStatus.FINISHED_ERROR))
                 continue
             try:

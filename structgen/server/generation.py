@@ -108,10 +108,8 @@ def raise_failed(outputs: list[CompletionOutput]) -> None:
     for output in outputs:
         if output.finish_reason == "error":
             message = output.error or "the request failed"
-            code = "unsupported_schema" if output.structured is not None else "generation_error"
-            # The engine reports a failed compile as text only; CompileTimeoutError's wording marks a timeout.
-            if "exceeded the" in message and message.endswith(" s limit"):
-                code = "compile_timeout"
+            fallback = "unsupported_schema" if output.structured is not None else "generation_error"
+            code = output.error_code or fallback
             raise APIError(400, message, param="response_format", code=code)
 
 
