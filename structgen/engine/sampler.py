@@ -102,10 +102,9 @@ class Sampler:
         lazy: list[int] = []
         if mask is not None:
             hinted = set(mask.eager)
-            eager = [i for i in mask.rows if i in hinted or _needs_masked_distribution(rows[i].params)]
-            lazy = [
-                i for i in mask.rows if i not in hinted and not _needs_masked_distribution(rows[i].params)
-            ]
+            eager: list[int] = []
+            for i in mask.rows:
+                (eager if i in hinted or _needs_masked_distribution(rows[i].params) else lazy).append(i)
             mask.apply(raw, eager)
         x = _apply_history(raw, rows)
         token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
