@@ -3,7 +3,7 @@
     structgen bench sampler [--batch 64] [--vocab 100352] [--iters 10] [--device cpu|cuda] [--threads N]
                             [--json OUT]
 
-Cases: `greedy` (every row temperature 0), `mixed` (a quarter greedy, the rest a mix of temperature, top-k,
+Cases: `greedy` (every row temperature 0), `sampled` (every row temperature 1, no truncation), `mixed` (a quarter greedy, the rest a mix of temperature, top-k,
 top-p, min-p, seeds, penalties over 256-token histories, logprobs), `top_p` (every row top_p=0.9), and
 `top_p_flat` (the same on nearly flat logits, whose nucleus is too large for the top-k candidates and falls
 back to sorting: the worst case). Logits are Gaussian with std 4: the likeliest token holds ~15% (median)
@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler = Sampler()
     cases = {
         "greedy": (logits, [SamplingParams(temperature=0)] * args.batch),
+        "sampled": (logits, [SamplingParams()] * args.batch),
         "mixed": (logits, [_MIXED[i % len(_MIXED)] for i in range(args.batch)]),
         "top_p": (logits, [SamplingParams(top_p=0.9)] * args.batch),
         "top_p_flat": (flat, [SamplingParams(top_p=0.9)] * args.batch),
