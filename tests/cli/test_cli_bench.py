@@ -25,7 +25,10 @@ def test_bench_runs_a_moved_benchmark_and_writes_json(
     table = capsys.readouterr().out
     assert "x argmax" in table and "top_p_flat" in table
     report = json.loads(out.read_text())
-    assert set(report["cases"]) == {"greedy", "mixed", "top_p", "top_p_flat"} and report["argmax_ms"] > 0
+    assert (
+        set(report["cases"]) == {"greedy", "sampled", "mixed", "top_p", "top_p_flat"}
+        and report["argmax_ms"] > 0
+    )
 
 
 def test_wrapper_script_is_the_same_entry_point(tmp_path: Path) -> None:
