@@ -18,6 +18,7 @@ stay impossible. A row with nothing possible (or NaN / +inf logits) raises `Samp
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ class Sampler:
         sampled = [i for i in indices if not rows[i].params.greedy]
         if greedy:
             part = x if len(greedy) == x.shape[0] else x[greedy]
-            best = part.argmax(dim=1)
+            best = row_argmax(part)
             token_ids[greedy] = best
             ok[greedy] = torch.isfinite(part.gather(1, best.unsqueeze(1)).squeeze(1))
         if sampled:
@@ -222,6 +223,31 @@ class Sampler:
                     f"row {i}: its generator is on {row.generator.device}, the logits on {logits.device}"
                 )
         return logits if logits.dtype == torch.float32 else logits.float()
+
+
+def row_argmax(x: Tensor) -> Tensor:
+    """`x.argmax(dim=1)`, same result (first maximum; NaN counts as the maximum), faster on CPU.
+
+    CPU argmax over a 100k vocabulary is a slow scalar loop (≈ 10 ms for [64, 100352] on one core) while amax
+    is vectorized (≈ 1.6 ms): take each chunk's max, the argmax of those (the first chunk holding the row's
+    maximum, or its first NaN), then the argmax inside that one chunk (≈ 1.9 ms in all).
+    """
+    chunk = _argmax_chunk(x.shape[1])
+    if x.device.type != "cpu" or chunk == 0 or not x.is_contiguous():
+        return x.argmax(dim=1)
+    chunks = x.view(x.shape[0], -1, chunk)
+    best_chunk = chunks.amax(dim=2).argmax(dim=1)
+    within = chunks[torch.arange(x.shape[0], device=x.device), best_chunk].argmax(dim=1)
+    return best_chunk * chunk + within
+
+
+@functools.cache
+def _argmax_chunk(vocab: int) -> int:
+    """The largest power of two in 64..2048 that divides `vocab` into at least 8 chunks; 0 if none does."""
+    for chunk in (2048, 1024, 512, 256, 128, 64):
+        if vocab % chunk == 0 and vocab // chunk >= 8:
+            return chunk
+    return 0
 
 
 def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

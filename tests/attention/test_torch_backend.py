@@ -8,8 +8,13 @@ import random
 import pytest
 import torch
 
-from structgen.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
-from structgen.attention.torch_backend import write_kv_cache
+from structgen.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend, torch_backend
+from structgen.attention.torch_backend import (
+    GROUP_WASTE_SHARE,
+    GROUP_WASTE_SLOTS,
+    decode_length_groups,
+    write_kv_cache,
+)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -113,9 +118,12 @@ class Scenario:
 CASES = {
     "decode": ([0, 3, 4, 7, 15, 32], [1] * 6),
     "decode-wide-batch": ([random.Random(1).randrange(0, 60) for _ in range(64)], [1] * 64),
+    # Contexts far apart: attended in several length groups, each padded only to its own longest.
+    "decode-spread-lengths": ([0, 41, 300, 299, 720, 1203, 2000, 7], [1] * 8),
     "prefill": ([0, 0, 0], [1, 9, 17]),
     "prefill-on-cached-prefix": ([4, 5, 13], [4, 3, 8]),
     "mixed": ([11, 0, 6, 30, 2], [1, 7, 1, 5, 1]),
+    "mixed-spread-lengths": ([900, 0, 6, 1500, 2, 333], [1, 7, 1, 1, 5, 1]),
 }
 
 
@@ -159,14 +167,49 @@ def test_padding_slots_are_not_written() -> None:
     assert torch.all(flat_v[written] == 2) and torch.all(flat_v[~written] == 0)
 
 
-def test_decode_is_one_batched_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The per-sequence SDPA path must not be taken for a pure decode batch.
+def test_decode_never_takes_the_per_sequence_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("decode went through the per-sequence prefill path")
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", forbidden)
-    scenario = Scenario(*CASES["decode"])
-    torch.testing.assert_close(scenario.run().double(), scenario.expected(), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(TorchAttentionBackend, "_mixed", forbidden)
+    for case in ("decode", "decode-spread-lengths"):
+        scenario = Scenario(*CASES[case])
+        torch.testing.assert_close(scenario.run().double(), scenario.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_is_one_pass_per_length_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = torch_backend.paged_decode_attention
+
+    def counting(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(query.shape[0])
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "paged_decode_attention", counting)
+    scenario = Scenario(*CASES["decode-wide-batch"])  # contexts within 128 slots of each other: one group
+    scenario.run()
+    assert calls == [64]
+    calls.clear()
+    scenario = Scenario(*CASES["decode-spread-lengths"])
+    scenario.run()
+    assert len(calls) == len(decode_length_groups([c + 1 for c in scenario.cached], 4)) > 1
+    assert sum(calls) == 8
+
+
+def test_length_groups_cover_every_sequence_once_and_bound_the_padding() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        lens = [rng.randint(1, 3000) for _ in range(rng.randint(1, 80))]
+        groups = decode_length_groups(lens, 16)
+        assert sorted(i for g in groups for i in g.seqs) == list(range(len(lens)))
+        for g in groups:
+            assert g.max_context_len == max(lens[i] for i in g.seqs) == lens[g.seqs[0]]
+            lead = -(-g.max_context_len // 16) * 16
+            for i in g.seqs:
+                waste = lead - -(-lens[i] // 16) * 16
+                assert waste <= max(GROUP_WASTE_SLOTS, GROUP_WASTE_SHARE * lead)
+    assert len(decode_length_groups([100, 90, 5, 64], 16)) == 1  # all within 128 slots
+    assert [g.seqs for g in decode_length_groups([1000, 2000, 100], 16)] == [[1], [0], [2]]
 
 
 def test_get_attention_backend() -> None:

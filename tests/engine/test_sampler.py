@@ -11,6 +11,7 @@ from structgen.engine.sampler import (
     _inverse_cdf,
     _search,
     make_generator,
+    row_argmax,
 )
 from structgen.sampling_params import SamplingParams
 
@@ -372,3 +373,20 @@ def test_bad_inputs_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="row 0: output token id 7 is outside the vocabulary"):
         Sampler()(torch.zeros(1, 5), [make_row(SamplingParams(presence_penalty=1.0), output=(7,))])
     assert Sampler()(torch.zeros(0, 5), []).token_ids == []
+
+
+@pytest.mark.parametrize("vocab", [100352, 49152, 4096, 1000, 7])
+def test_row_argmax_equals_torch_argmax(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = NEG_INF  # nothing allowed: index 0, like torch
+    x[2, vocab // 3] = x[2, -1] = 50.0  # a tie: the first one
+    x[3, -1] = float("nan")  # NaN counts as the maximum
+    x[4, 0] = float("inf")
+    x[4, vocab // 2] = float("nan")
+    x[5, :] = 1.0  # all equal
+    x[6, -1] = float("inf")
+    x[7] = torch.round(x[7])  # many ties
+    expected = x.argmax(dim=1)
+    assert torch.equal(row_argmax(x), expected)
+    assert torch.equal(row_argmax(x[::2]), x[::2].argmax(dim=1))  # non-contiguous rows
