@@ -214,8 +214,10 @@ def paged_decode_attention(
     # Whole blocks are gathered; unused table entries (-1) fetch block 0, and everything past a sequence's
     # context length is masked out below.
     tables = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
-    k = key_cache.index_select(0, tables).view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2).float()
-    v = value_cache.index_select(0, tables).view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2).float()
+    k, v = (
+        cache.index_select(0, tables).view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2).float()
+        for cache in (key_cache, value_cache)
+    )
     within = torch.arange(span, device=query.device)[None, :] < context_lens[:, None].to(torch.long)
     # Query heads h*group .. h*group+group-1 share KV head h (HF's repeat_kv order), so viewing each KV head's
     # group of query heads as `group` query rows attends GQA without repeating keys; SDPA reads the gathered

@@ -5,9 +5,10 @@ through temperature → softmax → top-k → top-p → min-p (which zero probab
 tensor op over all rows that need it, built from per-row parameter lists once per call, and a stage no row
 needs is skipped.
 
-The draw is inverse-CDF sampling with one uniform number per row. A seeded row takes its number from its
-own generator, so its tokens do not depend on which rows share the batch or in what order; unseeded rows
-share one draw (rows sharing a generator draw from it in row order). Compared with the exponential race
+The draw is inverse-CDF sampling (`inverse_cdf.py`) with one uniform number per row, and one more per draw
+again for a row whose pick the structured-output mask rejected (see `token_mask.py`). A seeded row takes its
+numbers from its own generator, so its tokens do not depend on which rows share the batch or in what order;
+unseeded rows share one draw (rows sharing a generator draw from it in row order). Compared with the exponential race
 (`argmax(probs / q)`, `q ~ Exp(1)`), this needs one random number per row instead of one per vocabulary
 entry: on two CPU cores, drawing [64, 100k] numbers alone costs 60-180 ms, several times the softmax.
 
@@ -18,26 +19,27 @@ stay impossible. A row with nothing possible (or NaN / +inf logits) raises `Samp
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from structgen.engine.fast_picks import allowed_token_ids, pick_among, row_argmax
+from structgen.engine.inverse_cdf import InverseCdf
+from structgen.engine.logprobs import raw_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
 from structgen.engine.token_mask import TokenMask
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
 from structgen.errors import StructgenError
 from structgen.sampling_params import SamplingParams
 
-# The CDF is searched in two levels, over block sums and then within the chosen block, both cumulated in
-# float64 but on small tensors ([B, V / block] and [B, block]): a float64 cumsum of the whole [64, 100k]
-# costs ~180 ms on two CPU cores. With one float32 cumsum (and a float32 uniform), tokens less likely than
-# float32's 6e-8 steps near 1.0 would be drawn at quantised rates, or never where the cumsum accumulates in
-# float32 (CUDA).
-_CDF_BLOCK = 1024
+# A lazily masked sampled row whose pick the mask rejects draws again from its unmasked distribution up to this
+# many times before it is masked: at most a few cheap searches where the mask forbids little (a random token in
+# a JSON string), and a quick fall-back to the mask at structural points where it allows only a few tokens.
+_REDRAWS = 3
+_NO_UNIFORM = torch.zeros((), dtype=torch.float64)
 
 
 @dataclass(slots=True)
@@ -51,6 +53,14 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # Banned while len(output_token_ids) < params.min_tokens, unless params.ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class _Draws:
+    """The CDFs of a pick's sampled rows, kept so that a row the mask rejects can draw again cheaply."""
+
+    cdf: InverseCdf
+    position: dict[int, int]  # batch row -> row of `cdf`
 
 
 @dataclass(slots=True)
@@ -100,13 +110,16 @@ class Sampler:
         batch = raw.shape[0]
         if batch == 0:
             return SamplerOutput(token_ids=[])
-        lazy: list[int] = []
+        lazy: list[int] = []  # picked unmasked first; masked only if the pick is not allowed
+        hinted: list[int] = []  # expected to be rejected: picked with the mask straight away
         if mask is not None:
-            hinted = set(mask.eager)
-            eager: list[int] = []
+            masked_first, hint = [], set(mask.eager)
             for i in mask.rows:
-                (eager if i in hinted or _needs_masked_distribution(rows[i].params) else lazy).append(i)
-            mask.apply(raw, eager)
+                if _needs_masked_distribution(rows[i].params):
+                    masked_first.append(i)
+                else:
+                    (hinted if i in hint else lazy).append(i)
+            mask.apply(raw, masked_first)
         x = _apply_history(raw, rows)
         token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
         ok = torch.empty(batch, dtype=torch.bool, device=raw.device)
@@ -114,24 +127,35 @@ class Sampler:
         # ones still get the tokens they would have got without the dead row in their batch.
         generators = [row.generator for row in rows if not row.params.greedy] + [self.generator]
         saved = [(g, g.get_state()) for g in generators if g is not None]
-        # With lazy rows, x must stay unscaled for their second pick.
-        self._pick(x, range(batch), rows, token_ids, ok, owned=x is not raw and not lazy)
+        # Hinted rows whose mask allows few tokens are picked among those alone; the others go the lazy way.
+        hinted_dense, hinted_sparse = self._split_sparse(x, hinted, mask) if hinted else ([], [])
+        lazy = sorted(lazy + hinted_dense)
+        skip = {i for i, _ in hinted_sparse}
+        first = [i for i in range(batch) if i not in skip] if skip else range(batch)
+        # With lazy rows, x must stay unscaled for their masked pick.
+        draws = self._pick(x, first, rows, token_ids, ok, owned=x is not raw and not lazy and not skip)
+        dead = self._pick_among_allowed(x, hinted_sparse, rows, token_ids, ok)
+        rejected: list[int] = []
+        dense: list[int] = []
         if lazy:
-            allowed = mask.allows(lazy, token_ids[lazy])  # type: ignore[union-attr]
-            rejected = [i for i, good in zip(lazy, allowed, strict=True) if not good]
-            mask.rejected = rejected  # type: ignore[union-attr]
-            if rejected:
-                mask.apply(x, rejected)  # type: ignore[union-attr]
-                if x is not raw:  # so that a row left with nothing is reported as the mask's doing
-                    mask.apply(raw, rejected)  # type: ignore[union-attr]
-                self._pick(x, rejected, rows, token_ids, ok, owned=False)
+            rejected = self._redraw(lazy, rows, token_ids, mask, draws)  # type: ignore[arg-type]
+            dense, sparse = self._split_sparse(x, rejected, mask)  # type: ignore[arg-type]
+            dead += self._pick_among_allowed(x, sparse, rows, token_ids, ok)
+        if mask is not None:
+            # Next step's hint: rows rejected now, and hinted rows still at a structural point.
+            mask.rejected = sorted(rejected + list(skip))
+            mask.apply(x, dense + dead)
+            if x is not raw:  # so that a row left with nothing is reported as the mask's doing
+                mask.apply(raw, dense + dead)
+            if dense:
+                self._pick(x, dense, rows, token_ids, ok, owned=False)
         ids = token_ids.tolist()
         bad = [i for i, good in enumerate(ok.tolist()) if not good]
         if bad:
             for generator, state in saved:
                 generator.set_state(state)
             raise _dead_rows_error(raw, bad)
-        logprobs, top_logprobs = _logprobs(raw, rows, token_ids)
+        logprobs, top_logprobs = raw_logprobs(raw, rows, token_ids)
         return SamplerOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def _pick(
@@ -143,8 +167,9 @@ class Sampler:
         ok: Tensor,
         *,
         owned: bool,
-    ) -> None:
-        """Pick the tokens of rows `indices` of `x` into `token_ids` (and whether each row had any)."""
+    ) -> _Draws | None:
+        """Pick the tokens of rows `indices` of `x` into `token_ids` (and whether each row had any). Returns
+        the sampled rows' CDFs, for `_redraw`."""
         greedy = [i for i in indices if rows[i].params.greedy]
         sampled = [i for i in indices if not rows[i].params.greedy]
         if greedy:
@@ -152,15 +177,83 @@ class Sampler:
             best = row_argmax(part)
             token_ids[greedy] = best
             ok[greedy] = torch.isfinite(part.gather(1, best.unsqueeze(1)).squeeze(1))
-        if sampled:
-            picks, picked_ok = self._sample(x, sampled, rows, owned=owned)
-            token_ids[sampled] = picks
-            ok[sampled] = picked_ok
+        if not sampled:
+            return None
+        cdf = self._sample(x, sampled, rows, owned=owned)
+        token_ids[sampled] = cdf.draw(self._uniforms([rows[i] for i in sampled], x.device))
+        ok[sampled] = cdf.ok
+        return _Draws(cdf, {row: j for j, row in enumerate(sampled)})
+
+    def _redraw(
+        self,
+        lazy: list[int],
+        rows: Sequence[SamplingRow],
+        token_ids: Tensor,
+        mask: TokenMask,
+        draws: _Draws | None,
+    ) -> list[int]:
+        """The lazy rows whose pick the mask rejects, after the sampled ones drew again (up to `_REDRAWS`
+        times) from their unmasked distribution. Drawing from p until the token is in the allowed set A is
+        rejection sampling: a row accepted on any draw got a token of p restricted to A, exactly. The rows
+        returned (greedy ones, and sampled ones still rejected) are for the caller to mask and pick again."""
+        allowed = mask.allows(lazy, token_ids[lazy])
+        pending = [i for i, good in zip(lazy, allowed, strict=True) if not good]
+        if draws is None:
+            return pending
+        for _ in range(_REDRAWS):
+            again = [i for i in pending if i in draws.position]
+            if not again:
+                break
+            index = torch.tensor([draws.position[i] for i in again], device=token_ids.device)
+            picks = draws.cdf.draw(self._uniforms([rows[i] for i in again], token_ids.device), index)
+            token_ids[again] = picks
+            still = {i for i, good in zip(again, mask.allows(again, picks), strict=True) if not good}
+            pending = [i for i in pending if i not in draws.position or i in still]
+        return pending
+
+    def _split_sparse(
+        self, x: Tensor, indices: list[int], mask: TokenMask
+    ) -> tuple[list[int], list[tuple[int, Tensor]]]:
+        """Rows of `indices` whose mask allows many tokens, and (row, allowed ids) for those allowing few."""
+        if not indices or x.device.type != "cpu" or mask.bitmask.device.type != "cpu":
+            return indices, []
+        packed = mask.bitmask.contiguous().numpy().view(np.uint8)
+        dense, sparse = [], []
+        for i in indices:
+            ids = allowed_token_ids(packed[i], x.shape[1])
+            (dense.append(i) if ids is None else sparse.append((i, ids)))
+        return dense, sparse
+
+    def _pick_among_allowed(
+        self,
+        x: Tensor,
+        sparse: list[tuple[int, Tensor]],
+        rows: Sequence[SamplingRow],
+        token_ids: Tensor,
+        ok: Tensor,
+    ) -> list[int]:
+        """Pick each (row, allowed ids) among those tokens alone (see `fast_picks`); returns the rows with no
+        possible token (marked not ok), which the caller masks so that the error names the mask."""
+        sampled = [i for i, _ in sparse if not rows[i].params.greedy]
+        uniforms = dict(zip(sampled, self._uniforms([rows[i] for i in sampled], x.device), strict=True))
+        dead = []
+        for i, ids in sparse:
+            params = rows[i].params
+            values = x[i, ids]
+            if not params.greedy and params.temperature != 1.0:
+                values = values / params.temperature
+            index, possible = pick_among(values, greedy=params.greedy, uniform=uniforms.get(i, _NO_UNIFORM))
+            token_ids[i] = int(ids[index]) if possible else -1
+            ok[i] = possible
+            if not possible:
+                dead.append(i)
+        return dead
 
     def _sample(
         self, x: Tensor, indices: list[int], rows: Sequence[SamplingRow], *, owned: bool
-    ) -> tuple[Tensor, Tensor]:
-        """Temperature, truncation and the draw for the rows `indices` of `x`; `owned`: `x` may be edited."""
+    ) -> InverseCdf:
+        """Temperature and truncation for the rows `indices` of `x` (`owned`: `x` may be edited): the CDF
+        of each row's distribution, ready to draw from."""
         params = [rows[i].params for i in indices]
         if len(indices) == x.shape[0]:
             part = x
@@ -185,8 +278,7 @@ class Sampler:
             # -inf, or holds NaN / +inf, turns NaN here and is reported as dead by the draw.
             top = part.amax(dim=1, keepdim=True)
             probs = part.sub_(top).exp_() if owned else (part - top).exp_()
-        uniforms = self._uniforms([rows[i] for i in indices], probs.device)
-        return _inverse_cdf(probs, uniforms)
+        return InverseCdf(probs)
 
     def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> Tensor:
         """One U[0, 1) number per row: a seeded row's from its own generator, the others' from one draw.
@@ -223,31 +315,6 @@ class Sampler:
                     f"row {i}: its generator is on {row.generator.device}, the logits on {logits.device}"
                 )
         return logits if logits.dtype == torch.float32 else logits.float()
-
-
-def row_argmax(x: Tensor) -> Tensor:
-    """`x.argmax(dim=1)`, same result (first maximum; NaN counts as the maximum), faster on CPU.
-
-    CPU argmax over a 100k vocabulary is a slow scalar loop (≈ 10 ms for [64, 100352] on one core) while amax
-    is vectorized (≈ 1.6 ms): take each chunk's max, the argmax of those (the first chunk holding the row's
-    maximum, or its first NaN), then the argmax inside that one chunk (≈ 1.9 ms in all).
-    """
-    chunk = _argmax_chunk(x.shape[1])
-    if x.device.type != "cpu" or chunk == 0 or not x.is_contiguous():
-        return x.argmax(dim=1)
-    chunks = x.view(x.shape[0], -1, chunk)
-    best_chunk = chunks.amax(dim=2).argmax(dim=1)
-    within = chunks[torch.arange(x.shape[0], device=x.device), best_chunk].argmax(dim=1)
-    return best_chunk * chunk + within
-
-
-@functools.cache
-def _argmax_chunk(vocab: int) -> int:
-    """The largest power of two in 64..2048 that divides `vocab` into at least 8 chunks; 0 if none does."""
-    for chunk in (2048, 1024, 512, 256, 128, 64):
-        if vocab % chunk == 0 and vocab // chunk >= 8:
-            return chunk
-    return 0
 
 
 def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
@@ -294,74 +361,6 @@ def _min_tokens_ban(row: SamplingRow) -> list[int]:
     if not row.params.ignore_eos:
         ids |= row.eos_token_ids
     return sorted(ids)
-
-
-def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Token ids drawn from each row of `probs` by inverse CDF, and whether the row had any mass at all."""
-    batch, vocab = probs.shape
-    block = min(vocab, _CDF_BLOCK)
-    num_blocks = -(-vocab // block)
-    full = vocab // block
-    # Block sums without padding the whole [B, V] (a copy that costs as much as the draw): the full blocks
-    # are a view, the short last block is summed on its own.
-    sums = probs.new_empty(batch, num_blocks)
-    sums[:, :full] = probs[:, : full * block].view(batch, full, block).sum(dim=2)
-    if full < num_blocks:
-        sums[:, full] = probs[:, full * block :].sum(dim=1)
-    block_cum = sums.double().cumsum(dim=1)
-    total = block_cum[:, -1:]
-    ok = (torch.isfinite(total) & (total > 0)).squeeze(1)
-    target = uniforms.double().unsqueeze(1) * total
-    chosen_block = _search(block_cum, target).clamp_max(num_blocks - 1)
-    before = block_cum.gather(1, (chosen_block - 1).clamp_min(0)).masked_fill_(chosen_block == 0, 0.0)
-    columns = chosen_block * block + torch.arange(block, device=probs.device)
-    inner = probs.gather(1, columns.clamp_max(vocab - 1)).masked_fill_(columns >= vocab, 0.0)
-    inner_cum = inner.double().cumsum(dim=1)
-    # Where the target falls within the block, as a fraction of the block's float32-summed mass, placed on
-    # the block's exact float64 cumsum: the float32 sum of a block near 1.0 is off by a few of its ulps.
-    block_mass = block_cum.gather(1, chosen_block) - before
-    fraction = ((target - before) / block_mass).clamp_(0.0, 1.0)
-    position = _search(inner_cum, fraction * inner_cum[:, -1:]).clamp_max(block - 1)
-    return (chosen_block * block + position).squeeze(1).clamp_max(vocab - 1), ok
-
-
-def _search(cum: Tensor, target: Tensor) -> Tensor:
-    """First index whose cumulative mass exceeds `target` (`[rows, 1]`), never past the last with mass.
-
-    `right=True` skips zero-probability entries (their cumulative value equals the one before them); the
-    clamp catches a target that rounding put at or past the row's total.
-    """
-    found = torch.searchsorted(cum, target, right=True)
-    last = torch.searchsorted(cum, cum[:, -1:].contiguous(), right=False)
-    return torch.minimum(found, last)
-
-
-def _logprobs(
-    raw: Tensor, rows: Sequence[SamplingRow], token_ids: Tensor
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    if not asked:
-        return None, None
-    part = raw if len(asked) == len(rows) else raw[asked]
-    # log-sum-exp by hand: amax is one fast pass, and torch.logsumexp's handling of -inf entries costs
-    # several more over [B, V]. No row here is all -inf: those raised before.
-    top = part.amax(dim=1, keepdim=True)
-    log_norm = (part - top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
-    picked = part.gather(1, token_ids[asked].unsqueeze(1)) - log_norm
-    logprobs = [math.nan] * len(rows)
-    for i, value in zip(asked, picked.squeeze(1).tolist(), strict=True):
-        logprobs[i] = value
-    wanted = [rows[i].params.logprobs or 0 for i in asked]
-    if not any(wanted):
-        return logprobs, None
-    values, ids = part.topk(min(max(wanted), raw.shape[1]), dim=1)
-    values = (values - log_norm).tolist()
-    ids = ids.tolist()
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
-    for j, (i, k) in enumerate(zip(asked, wanted, strict=True)):
-        pairs = zip(ids[j][:k], values[j][:k], strict=True)
-        top_logprobs[i] = [(t, v) for t, v in pairs if v != -math.inf]
-    return logprobs, top_logprobs
 
 
 def _dead_rows_error(raw: Tensor, bad: list[int]) -> SamplerError:

@@ -6,15 +6,17 @@ first picks from the unmasked logits and checks the one bit of the picked token;
 allowed are masked and picked again. That is exact, not an approximation:
 
 - greedy: the argmax over all tokens, when allowed, is the argmax over the allowed ones;
-- sampling without truncation: drawing from p and, when the draw falls outside the allowed set A, drawing
-  again from p restricted to A gives `p(a) + (1 - p(A)) p(a) / p(A) = p(a) / p(A)` for every a in A —
-  the masked distribution (rejection sampling with one retry, which never fails since the retry is masked).
+- sampling without truncation: drawing from p until the draw falls in the allowed set A is rejection
+  sampling, whose accepted draw follows `p(a) / p(A)` — the masked distribution. The sampler keeps each row's
+  CDF, so a draw again costs two small searches; after a few rejected draws (A holds little of p: a structural
+  point) it masks the row and draws from p restricted to A, which is the same distribution, so every path
+  gives exactly the masked distribution.
 
 Rows that use top-k / top-p / min-p (their truncation depends on the masked distribution) or that return
 logprobs (which must be those of the masked distribution) are masked before sampling, as before. So are the
-`eager` rows: the caller's guess of where a pick will be rejected (a row rejected at the last step is likely
-at a structural point again, where masking first is cheaper than picking twice). The hint changes only cost,
-never the distribution.
+`eager` rows: the caller's guess of where a pick will be rejected (a row the sampler had to mask at the last
+step is likely at a structural point again, where masking first is cheaper than picking twice). The hint
+changes only cost, never the distribution.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class TokenMask:
 
     bitmask: torch.Tensor
     rows: list[int]
-    # Rows to mask before picking (a hint, see above); the sampler records the lazy rows it had to mask.
+    # Rows to pick with the mask straight away (a hint, see above). The sampler records in `rejected` the rows
+    # to hint at the next step: lazy rows whose pick stayed rejected after drawing again, and hinted rows whose
+    # mask allowed only a few tokens (still at a structural point).
     eager: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
 

@@ -8,10 +8,7 @@ from structgen.engine.sampler import (
     Sampler,
     SamplerError,
     SamplingRow,
-    _inverse_cdf,
-    _search,
     make_generator,
-    row_argmax,
 )
 from structgen.sampling_params import SamplingParams
 
@@ -313,52 +310,6 @@ def test_logprobs_are_none_unless_asked() -> None:
     assert out.logprobs[1] == pytest.approx(expected, abs=1e-5)
 
 
-def test_inverse_cdf_keeps_tiny_tail_mass() -> None:
-    # One token holds 99.8% of the mass; 100k others share 0.2%, each ~2e-8: below half an ulp of 1.0,
-    # so a float32 cumsum that accumulates in float32 (CUDA) would never reach them.
-    vocab, draws, tail = 100_352, 5000, 0.002
-    probs = torch.full((vocab,), tail / (vocab - 1))
-    probs[0] = 1 - tail
-    uniforms = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws  # stratified: exact quantiles
-    tokens, ok = _inverse_cdf(probs.expand(draws, vocab), uniforms)
-    assert bool(ok.all())
-    in_tail = int((tokens > 0).sum())
-    assert abs(in_tail - tail * draws) <= 2
-    # The tail is uniform, so the stratified draws that land in it are spread evenly across it.
-    for i in range(draws - in_tail, draws):
-        fraction = ((i + 0.5) / draws - (1 - tail)) / tail
-        assert abs(int(tokens[i]) - (1 + fraction * (vocab - 1))) < vocab / 1000
-
-
-def test_inverse_cdf_resolves_each_tiny_token() -> None:
-    # 4,095 tokens of 2e-8 each after one of ~1: float32 steps near 1.0 (6e-8) could reach only a third of
-    # them; every one must get its share of evenly spread draws.
-    vocab, tiny, per_token = 4096, 2e-8, 3
-    probs = torch.full((vocab,), tiny)
-    probs[0] = 1 - tiny * (vocab - 1)
-    draws = per_token * (vocab - 1)
-    total = float(probs.double().sum())
-    start = float(probs[0]) / total
-    uniforms = start + (torch.arange(draws, dtype=torch.float64) + 0.5) / draws * (1 - start)
-    tokens, _ = _inverse_cdf(probs.expand(draws, vocab), uniforms)
-    hits = torch.bincount(tokens, minlength=vocab)[1:]
-    assert int(hits.min()) >= per_token - 1 and int(hits.max()) <= per_token + 1
-
-
-def test_inverse_cdf_never_lands_on_zero_probability() -> None:
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]]).expand(6, 6)
-    below_one = torch.nextafter(
-        torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
-    )
-    uniforms = torch.tensor([0.0, 0.25, 0.4999999, 0.5, 0.75, below_one.item()], dtype=torch.float64)
-    tokens, ok = _inverse_cdf(probs, uniforms)
-    assert tokens.tolist() == [1, 1, 1, 3, 3, 3] and bool(ok.all())
-    # A target that rounding put at (or past) the total lands on the last token with mass, not after it.
-    cum = torch.tensor([[0.0, 0.5, 0.5, 1.0, 1.0, 1.0]])
-    assert _search(cum, torch.tensor([[1.0]])).item() == 3
-    assert _search(cum, torch.tensor([[1.5]])).item() == 3
-
-
 def test_bad_inputs_are_clear_errors() -> None:
     row = make_row(SamplingParams())
     with pytest.raises(ValueError, match="2-D floating-point tensor"):
@@ -373,20 +324,3 @@ def test_bad_inputs_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="row 0: output token id 7 is outside the vocabulary"):
         Sampler()(torch.zeros(1, 5), [make_row(SamplingParams(presence_penalty=1.0), output=(7,))])
     assert Sampler()(torch.zeros(0, 5), []).token_ids == []
-
-
-@pytest.mark.parametrize("vocab", [100352, 49152, 4096, 1000, 7])
-def test_row_argmax_equals_torch_argmax(vocab: int) -> None:
-    gen = torch.Generator().manual_seed(vocab)
-    x = torch.randn(9, vocab, generator=gen)
-    x[1] = NEG_INF  # nothing allowed: index 0, like torch
-    x[2, vocab // 3] = x[2, -1] = 50.0  # a tie: the first one
-    x[3, -1] = float("nan")  # NaN counts as the maximum
-    x[4, 0] = float("inf")
-    x[4, vocab // 2] = float("nan")
-    x[5, :] = 1.0  # all equal
-    x[6, -1] = float("inf")
-    x[7] = torch.round(x[7])  # many ties
-    expected = x.argmax(dim=1)
-    assert torch.equal(row_argmax(x), expected)
-    assert torch.equal(row_argmax(x[::2]), x[::2].argmax(dim=1))  # non-contiguous rows

@@ -313,7 +313,10 @@ def test_relaxed_outputs_stream_only_once_final(make_engine: EngineFactory) -> N
     """A retry takes back what was sampled: a streaming client gets a relaxed grammar's text in one final delta,
     while an exact grammar's text streams token by token."""
     engine = make_engine()
-    exact = StructuredOutputsParams(json={"type": "array", "items": {"enum": [1, 2, 3]}})
+    # At least three sampled items, so the exact output cannot arrive in a single delta.
+    exact = StructuredOutputsParams(
+        json={"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 3, "maxItems": 5}
+    )
     for i in range(4):
         spec = StructuredOutputsParams(json=UNIQUE) if i < 3 else exact
         engine.add_request(

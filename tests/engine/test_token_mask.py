@@ -11,6 +11,7 @@ import torch
 from sampling_reference import NEG_INF, reference_probs
 from test_sampler import make_row, random_logits
 
+from structgen.engine.fast_picks import SPARSE_LIMIT
 from structgen.engine.sampler import Sampler, SamplerError
 from structgen.engine.token_mask import TokenMask
 from structgen.sampling_params import SamplingParams
@@ -112,15 +113,71 @@ def test_a_lazy_row_with_nothing_allowed_is_an_error_naming_the_mask() -> None:
     assert error.value.rows == [1]
 
 
-def test_rejections_are_recorded_and_hinted_rows_are_masked_first() -> None:
-    logits = random_logits(3, 64, seed=4)
+@pytest.mark.parametrize("vocab", [64, 4 * SPARSE_LIMIT])
+def test_rejections_are_recorded_and_hinted_rows_are_masked_first(vocab: int) -> None:
+    logits = random_logits(3, vocab, seed=4)
     best = logits.argmax(dim=1).tolist()
-    allowed = [[t for t in range(64) if t != best[r]] for r in range(3)]  # every argmax is forbidden
-    bitmask = mask_allowing(64, allowed)
+    # Rows 0 and 2 forbid their argmax; hinted row 1 allows its own.
+    allowed = [[t for t in range(vocab) if t != best[r] or r == 1] for r in range(3)]
+    bitmask = mask_allowing(vocab, allowed)
     rows = [make_row(SamplingParams(temperature=0)) for _ in range(3)]
     mask = TokenMask(bitmask=bitmask, rows=[0, 1, 2], eager=[1])
     picks = Sampler()(logits.clone(), rows, mask=mask).token_ids
-    assert mask.rejected == [0, 2]  # row 1 was masked before its pick, so it was never rejected
     eager = logits.clone()
     apply_token_bitmask_(eager, bitmask, rows=[0, 1, 2])
     assert picks == eager.argmax(dim=1).tolist()
+    # Rows 0 and 2 were rejected. Hinted row 1 stays hinted while its mask allows few tokens (it was picked
+    # among them); with a wide-open mask it went back to the lazy path and its pick was accepted.
+    assert mask.rejected == ([0, 1, 2] if vocab <= SPARSE_LIMIT else [0, 2])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
+def test_rows_allowing_few_tokens_pick_among_them_like_the_masked_row(temperature: float) -> None:
+    batch, vocab = 64, 5000
+    logits = random_logits(batch, vocab, seed=5, scale=3.0)
+    gen = torch.Generator().manual_seed(5)
+    allowed = [torch.randperm(vocab, generator=gen)[: 1 + 7 * r].tolist() for r in range(batch)]
+    allowed[3] = list(range(0, vocab, 2))  # wide open: masked whole
+    bitmask = mask_allowing(vocab, allowed)
+
+    def run(hinted: bool) -> list[int]:
+        rows = [make_row(SamplingParams(temperature=temperature, seed=s)) for s in range(batch)]
+        eager = list(range(batch)) if hinted else []
+        return Sampler()(
+            logits.clone(), rows, mask=TokenMask(bitmask, list(range(batch)), eager=eager)
+        ).token_ids
+
+    picks = run(hinted=True)
+    assert all(p in allowed[r] for r, p in enumerate(picks))
+    if temperature == 0.0:
+        masked = logits.clone()
+        apply_token_bitmask_(masked, bitmask)
+        assert picks == masked.argmax(dim=1).tolist()
+    else:  # the same uniform drives the same CDF position whether the row is masked whole or gathered
+        rows = [make_row(SamplingParams(temperature=temperature, seed=s)) for s in range(batch)]
+        masked = logits.clone()
+        apply_token_bitmask_(masked, bitmask)
+        expected = Sampler()(masked, rows).token_ids
+        # Row 3's mask is wide open: it is picked lazily (other draws), not among its allowed tokens.
+        assert [p for r, p in enumerate(picks) if r != 3] == [p for r, p in enumerate(expected) if r != 3]
+
+
+def test_rejected_sampled_rows_draw_again_before_any_masking() -> None:
+    # Token 0 holds half the mass and is forbidden: about half the first draws are rejected, and most of
+    # those are settled by drawing again from the unmasked distribution; only rows that keep landing on it
+    # (1 in 16 of the rejected ones, in expectation) are masked.
+    draws, vocab = 400, 16
+    logits = torch.zeros(vocab)
+    logits[0] = math.log(vocab - 1)
+    rows = [make_row(SamplingParams(seed=s)) for s in range(draws)]
+    unmasked = Sampler()(logits.expand(draws, vocab).clone(), rows).token_ids
+    first_rejected = sum(t == 0 for t in unmasked)
+    bitmask = mask_allowing(vocab, [list(range(1, vocab))]).expand(draws, -1).contiguous()
+    mask = TokenMask(bitmask=bitmask, rows=list(range(draws)))
+    rows = [make_row(SamplingParams(seed=s)) for s in range(draws)]
+    picks = Sampler()(logits.expand(draws, vocab).clone(), rows, mask=mask).token_ids
+    assert 0 not in picks
+    assert 150 < first_rejected < 250
+    assert 0 < len(mask.rejected) < first_rejected / 4
+    # Rows the first draw did not reject keep exactly the token they got without a mask.
+    assert all(p == u for p, u in zip(picks, unmasked, strict=True) if u != 0)

@@ -1,0 +1,78 @@
+"""Picks that avoid full passes over a 100k vocabulary where a cheaper exact way exists.
+
+- `row_argmax`: `argmax(dim=1)` by chunk maxima (CPU argmax is a slow scalar loop).
+- `allowed_token_ids` + `pick_among`: a row whose structured-output mask allows only a few tokens (a structural
+  point of a format: `{`, `":`, `,` or `}`) is picked among those tokens alone. Masking the row costs a pass that
+  writes -inf over the whole vocabulary, then softmax and the CDF pass over it again, all to choose among a
+  handful of entries; gathering their logits gives the same pick (greedy: the first maximum among the allowed
+  tokens; sampled: the same distribution, p restricted to the allowed set).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from structgen.engine.inverse_cdf import search
+
+# A row is picked among its allowed tokens when the mask allows at most this many (beyond it, masking the whole
+# row costs about the same as gathering and scattering that many entries).
+SPARSE_LIMIT = 1024
+
+
+def row_argmax(x: Tensor) -> Tensor:
+    """`x.argmax(dim=1)`, same result (first maximum; NaN counts as the maximum), faster on CPU.
+
+    CPU argmax over a 100k vocabulary is a slow scalar loop (≈ 10 ms for [64, 100352] on one core) while amax
+    is vectorized (≈ 1.6 ms): take each chunk's max, the argmax of those (the first chunk holding the row's
+    maximum, or its first NaN), then the argmax inside that one chunk (≈ 1.9 ms in all).
+    """
+    chunk = _argmax_chunk(x.shape[1])
+    if x.device.type != "cpu" or chunk == 0 or not x.is_contiguous():
+        return x.argmax(dim=1)
+    chunks = x.view(x.shape[0], -1, chunk)
+    best_chunk = chunks.amax(dim=2).argmax(dim=1)
+    within = chunks[torch.arange(x.shape[0], device=x.device), best_chunk].argmax(dim=1)
+    return best_chunk * chunk + within
+
+
+@functools.cache
+def _argmax_chunk(vocab: int) -> int:
+    """The largest power of two in 64..2048 that divides `vocab` into at least 8 chunks; 0 if none does."""
+    for chunk in (2048, 1024, 512, 256, 128, 64):
+        if vocab % chunk == 0 and vocab // chunk >= 8:
+            return chunk
+    return 0
+
+
+def allowed_token_ids(packed_row: np.ndarray, vocab: int, limit: int = SPARSE_LIMIT) -> Tensor | None:
+    """The ids (ascending, below `vocab`) that one bitmask row allows, or None when there are more than `limit`.
+
+    `packed_row` is the row's bytes (uint8, little-endian words: bit i of byte b is token 8b + i).
+    """
+    nonzero = np.flatnonzero(packed_row)
+    if len(nonzero) > limit:  # every nonzero byte allows at least one token
+        return None
+    bits = np.unpackbits(packed_row[nonzero][:, None], axis=1, bitorder="little").astype(bool)
+    ids = (nonzero[:, None] * 8 + np.arange(8))[bits]
+    if len(ids) > limit:
+        return None
+    return torch.from_numpy(ids[ids < vocab].astype(np.int64))
+
+
+def pick_among(values: Tensor, *, greedy: bool, uniform: Tensor) -> tuple[int, bool]:
+    """Index into `values` (the allowed tokens' logits, temperature already applied) of the pick, and whether
+    any of them was possible. `uniform`: a float64 U[0, 1) scalar tensor for a sampled row."""
+    if values.numel() == 0:
+        return 0, False
+    if greedy:
+        index = int(values.argmax())
+        return index, bool(torch.isfinite(values[index]))
+    top = values.max()
+    if not bool(torch.isfinite(top)):  # nothing possible, or NaN / +inf among them
+        return 0, False
+    cum = (values.double() - float(top)).exp_().cumsum(0).unsqueeze(0)
+    return int(search(cum, uniform.reshape(1, 1) * cum[:, -1:])), True
