@@ -30,7 +30,7 @@ from structgen.engine.fast_picks import allowed_token_ids, pick_among, row_argma
 from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.logprobs import raw_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
-from structgen.engine.token_mask import TokenMask
+from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
 from structgen.errors import StructgenError
 from structgen.sampling_params import SamplingParams
@@ -115,7 +115,7 @@ class Sampler:
         if mask is not None:
             masked_first, hint = [], set(mask.eager)
             for i in mask.rows:
-                if _needs_masked_distribution(rows[i].params):
+                if needs_masked_distribution(rows[i].params):
                     masked_first.append(i)
                 else:
                     (hinted if i in hint else lazy).append(i)
@@ -217,6 +217,7 @@ class Sampler:
         """Rows of `indices` whose mask allows many tokens, and (row, allowed ids) for those allowing few."""
         if not indices or x.device.type != "cpu" or mask.bitmask.device.type != "cpu":
             return indices, []
+        mask.ensure_filled(indices)
         packed = mask.bitmask.contiguous().numpy().view(np.uint8)
         dense, sparse = [], []
         for i in indices:
@@ -338,13 +339,6 @@ def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     if banned:
         ban_tokens(x, banned)
     return x
-
-
-def _needs_masked_distribution(params: SamplingParams) -> bool:
-    """Rows whose result depends on the masked distribution as a whole, not only on which token wins."""
-    if params.logprobs is not None:
-        return True
-    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 def _has_penalty(params: SamplingParams) -> bool:

@@ -21,9 +21,21 @@ changes only cost, never the distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from structgen.sampling_params import SamplingParams
+
+
+def needs_masked_distribution(params: SamplingParams) -> bool:
+    """Rows whose result depends on the masked distribution as a whole, not only on which token wins."""
+    if params.logprobs is not None:
+        return True
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 @dataclass(slots=True)
@@ -38,30 +50,56 @@ class TokenMask:
     # mask allowed only a few tokens (still at a structural point).
     eager: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
+    # Rows whose bitmask row is not filled (yet), each with a check of one token against its grammar: a lazy
+    # pick needs only that, and filling a row costs a walk over the whole vocabulary. `fill` fills such rows
+    # when the whole row is needed (to mask it, or to list its few allowed tokens).
+    unfilled: dict[int, Callable[[int], bool]] = field(default_factory=dict)
+    fill: Callable[[list[int]], None] | None = None
 
     def allows(self, rows: list[int], token_ids: torch.Tensor) -> list[bool]:
-        """Whether each `token_ids[j]` is allowed in batch row `rows[j]`: one bit read per row."""
-        if not rows:
-            return []
-        tokens = token_ids.to("cpu", torch.long)
-        index = torch.tensor(rows, dtype=torch.long)
+        """Whether each `token_ids[j]` is allowed in batch row `rows[j]`: one bit read (or check) per row."""
+        tokens = token_ids.to("cpu", torch.long).tolist()
         words = self.bitmask.shape[1]
-        word = tokens >> 5
-        inside = word < words
-        device = self.bitmask.device
-        bits = self.bitmask[index.to(device), word.clamp_max(words - 1).to(device)].cpu()
-        allowed = ((bits >> (tokens & 31)) & 1).bool() & inside
-        return allowed.tolist()
+        allowed = [False] * len(rows)
+        read = []  # positions whose row is filled: read their bits in one go
+        for j, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            check = self.unfilled.get(row)
+            if check is None:
+                read.append(j)
+            elif token < words * 32:  # a token beyond the mask is never allowed
+                allowed[j] = check(token)
+        if read:
+            device = self.bitmask.device
+            index = torch.tensor([rows[j] for j in read], dtype=torch.long, device=device)
+            picked = torch.tensor([tokens[j] for j in read], dtype=torch.long)
+            word = picked >> 5
+            bits = self.bitmask[index, word.clamp_max(words - 1).to(device)].cpu()
+            for j, good in zip(
+                read, (((bits >> (picked & 31)) & 1).bool() & (word < words)).tolist(), strict=True
+            ):
+                allowed[j] = good
+        return allowed
+
+    def ensure_filled(self, rows: list[int]) -> None:
+        """Fill the bitmask rows of `rows` that are not filled yet."""
+        missing = [row for row in rows if row in self.unfilled]
+        if missing:
+            assert self.fill is not None, "unfilled rows need a fill"
+            self.fill(missing)
+            for row in missing:
+                del self.unfilled[row]
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Set the disallowed logits of `rows` to -inf, in place."""
         from structgen.structured.bitmask import apply_token_bitmask_
 
         if rows:
+            self.ensure_filled(rows)
             apply_token_bitmask_(logits, self.bitmask, rows=rows)
 
     def subset(self, keep: list[int]) -> TokenMask:
         """The mask of the batch made of rows `keep` of this one (in that order)."""
+        self.ensure_filled([row for row in keep if row in self.rows])  # the copy below must be complete
         position = {row: j for j, row in enumerate(keep)}
         index = torch.tensor(keep, dtype=torch.long, device=self.bitmask.device)
         return TokenMask(

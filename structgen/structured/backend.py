@@ -32,6 +32,9 @@ class Grammar(ABC):
     """Matcher state of one request. Not thread-safe: one request's grammar is used by one thread at a time."""
 
     backend: StructuredBackend  # the compiler it came from (batched mask fills group rows by it)
+    # Whether `validate_tokens` of one token is cheap next to `fill_bitmask` and agrees with it exactly, so the
+    # engine may check a sampled token instead of filling the row first (see `TokenMask.unfilled`).
+    checks_tokens_cheaply: bool = False
 
     @abstractmethod
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:

@@ -60,6 +60,9 @@ class _TokenizerAdapter:
 
 class LLGuidanceGrammar(Grammar):
     __slots__ = ("_eos", "_eos_after_stop", "_matcher", "_words", "backend")
+    # validate_tokens takes ~3 µs where a fill walks the token trie (~70 µs on cl100k); the two agreed on all
+    # of 58k tokens checked across JSONSchemaBench states (tests/structured/test_llguidance_checks.py).
+    checks_tokens_cheaply = True
 
     def __init__(self, matcher: Any, backend: LLGuidanceBackend, eos_after_stop: int = 0):
         self._matcher = matcher

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from structgen.engine.token_mask import TokenMask
+from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
@@ -145,16 +145,20 @@ class StructuredLogitsProcessor:
         # rows whose pick the mask would change.
         self.defer = defer
         self._bitmask = manager.allocate_bitmask(64)
-        self._pending: tuple[list[Any], list[int], Future[FillFailures]] | None = None
+        self._pending: tuple[list[Any], list[tuple[Grammar, int]], list[int], Future[FillFailures]] | None = (
+            None
+        )
         # Sequences whose grammar raised while filling the last mask; the engine fails them (`take_failures`).
         self._failures: list[tuple[Any, Exception]] = []
         self._last: tuple[list[Any], TokenMask] | None = None  # the last step's sequences and deferred mask
+        self._hinted: set[int] = set()  # ids of this step's sequences to mask first (see TokenMask)
 
     def prepare(self, seqs: Sequence[Any]) -> None:
         self._settle()
         items = self._items(seqs)
-        future = self.manager.fill_bitmask_async(items, self._bitmask) if items else _done()
-        self._pending = (list(seqs), [row for _, row in items], future)
+        ahead, deferred = self._split_deferred(seqs, items)
+        future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
+        self._pending = (list(seqs), items, deferred, future)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> TokenMask | None:
         pending = self._pending
@@ -167,7 +171,8 @@ class StructuredLogitsProcessor:
             pending = self._pending
         assert pending is not None
         self._pending = None
-        seqs_, rows, future = pending
+        seqs_, items, deferred, future = pending
+        rows = [row for _, row in items]
         failures = future.result()
         if failures:
             # Those rows go unmasked (their sample is discarded) and their requests fail after this step.
@@ -177,16 +182,46 @@ class StructuredLogitsProcessor:
         if not rows:
             return None
         if self.defer:
-            # Rows whose pick was rejected at the last step are masked first this time (see TokenMask).
-            last, self._last = self._last, None
-            rejected = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
+            grammars = {row: grammar for grammar, row in items}
             mask = TokenMask(
-                bitmask=self._bitmask, rows=rows, eager=[r for r in rows if id(seqs[r]) in rejected]
+                bitmask=self._bitmask,
+                rows=rows,
+                eager=[r for r in rows if id(seqs[r]) in self._hinted],
+                unfilled={row: _token_check(grammars[row]) for row in deferred},
+                fill=lambda missing: self._fill_now(seqs_, grammars, missing),
             )
             self._last = (list(seqs), mask)
             return mask
         apply_token_bitmask_(logits, self._bitmask, rows=rows)
         return None
+
+    def _split_deferred(
+        self, seqs: Sequence[Any], items: list[tuple[Grammar, int]]
+    ) -> tuple[list[tuple[Grammar, int]], list[int]]:
+        """(rows to fill now, on the mask thread; rows left unfilled). A deferred row's pick is checked against
+        its grammar alone (a few µs where filling the row walks the vocabulary) and the row is filled only if
+        the sampler needs it whole: rows of grammars that check tokens cheaply, picked lazily, not hinted."""
+        last, self._last = self._last, None
+        self._hinted = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
+        if not self.defer:
+            return items, []
+        ahead, deferred = [], []
+        for grammar, row in items:
+            seq = seqs[row]
+            params = getattr(seq, "params", None)
+            lazy = params is not None and not needs_masked_distribution(params)
+            if grammar.checks_tokens_cheaply and lazy and id(seq) not in self._hinted:
+                deferred.append(row)
+            else:
+                ahead.append((grammar, row))
+        return ahead, deferred
+
+    def _fill_now(self, seqs: list[Any], grammars: dict[int, Grammar], rows: list[int]) -> None:
+        """Fill deferred rows the sampler needs whole. A row whose grammar raises allows everything for this
+        step; its request fails after the step, like a failed fill ahead."""
+        for row, error in self.manager.fill_bitmask([(grammars[row], row) for row in rows], self._bitmask):
+            self._bitmask[row].fill_(-1)
+            self._failures.append((seqs[row], error))
 
     def take_failures(self) -> list[tuple[Any, Exception]]:
         """(sequence, error) for each sequence whose grammar failed to fill its mask since the last call."""
@@ -196,7 +231,7 @@ class StructuredLogitsProcessor:
     def _settle(self) -> None:
         # A fill still writing into the bitmask must finish before the bitmask is reused.
         if self._pending is not None:
-            self._pending[2].result()
+            self._pending[3].result()
             self._pending = None
 
     def _items(self, seqs: Sequence[Any]) -> list[tuple[Grammar, int]]:
@@ -208,6 +243,11 @@ class StructuredLogitsProcessor:
             if grammar is not None:
                 items.append((grammar, row))
         return items
+
+
+def _token_check(grammar: Grammar) -> Callable[[int], bool]:
+    validate = grammar.validate_tokens
+    return lambda token: validate((token,)) == 1
 
 
 def _done() -> Future[FillFailures]:

@@ -56,6 +56,23 @@ def test_sampling_params_rejects_a_bad_structured_field() -> None:
         SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_checking_tokens_instead_of_filling_masks_gives_the_same_outputs(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    from structgen.structured.llguidance_backend import LLGuidanceGrammar
+
+    def run() -> dict[str, list[int]]:
+        engine = make_engine()
+        for i, spec in enumerate([{"json": PERSON}, {"json": UNIQUE}, {"regex": r"[a-z]{3,12}"}] * 2):
+            engine.add_request(f"r{i}", f"Item {i}:", _structured(24, temperature, seed=i, **spec))
+        return {rid: out.outputs[0].token_ids for rid, out in run_all(engine).items()}
+
+    deferred = run()
+    monkeypatch.setattr(LLGuidanceGrammar, "checks_tokens_cheaply", False)  # every row filled ahead
+    assert run() == deferred
+
+
 def test_mixed_batch_leaves_unconstrained_rows_unchanged(make_engine: EngineFactory) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

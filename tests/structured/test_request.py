@@ -103,3 +103,59 @@ def test_mixed_batch_masks_only_constrained_rows(manager, backends, info, encode
     plain = before.clone()
     processor(plain, [SimpleNamespace(grammar=None)] * len(seqs))
     assert torch.equal(plain, before)
+
+
+def test_deferred_rows_are_checked_by_their_grammar_and_filled_only_when_needed(
+    manager, backends, info, encode
+) -> None:
+    from structgen.sampling_params import SamplingParams
+
+    llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
+    xgr = backends["xgrammar"].compile(StructuredOutputsParams(regex=r"[0-9]+").to_spec())
+    llg_top_p = backends["llguidance"].compile(StructuredOutputsParams(regex=r"[a-z]+").to_spec())
+    seqs = [
+        SimpleNamespace(grammar=llg, params=SamplingParams()),  # deferred: llguidance, picked lazily
+        SimpleNamespace(grammar=xgr, params=SamplingParams()),  # filled ahead: no cheap token check
+        SimpleNamespace(grammar=llg_top_p, params=SamplingParams(top_p=0.9)),  # needs the whole mask
+        SimpleNamespace(grammar=None, params=SamplingParams()),
+    ]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
+    processor.prepare(seqs)
+    mask = processor(torch.zeros(len(seqs), info.vocab_size), seqs)
+    assert mask is not None and mask.rows == [0, 1, 2] and list(mask.unfilled) == [0]
+    for row in (1, 2):  # filled ahead, on the mask thread
+        assert torch.equal(
+            unpack(mask.bitmask[row], info.vocab_size), allowed_tokens(seqs[row].grammar, info.vocab_size)
+        )
+    brace, letter = encode("{")[0], encode("x")[0]
+    assert mask.allows([0, 0, 2, 2], torch.tensor([brace, letter, letter, brace])) == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert list(mask.unfilled) == [0]  # checking a token does not fill the row
+    logits = torch.zeros(len(seqs), info.vocab_size)
+    mask.apply(logits, [0])  # masking needs the whole row: filled now
+    assert not mask.unfilled
+    assert torch.equal(torch.isfinite(logits[0]), allowed_tokens(llg, info.vocab_size))
+
+
+def test_a_deferred_row_is_masked_first_once_hinted(manager, backends, info, encode) -> None:
+    from structgen.sampling_params import SamplingParams
+
+    llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
+    seqs = [SimpleNamespace(grammar=llg, params=SamplingParams())]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
+    processor.prepare(seqs)
+    first = processor(torch.zeros(1, info.vocab_size), seqs)
+    assert first is not None and list(first.unfilled) == [0] and first.eager == []
+    first.rejected = [0]  # what the sampler records for a row it had to mask
+    processor.prepare(seqs)
+    second = processor(torch.zeros(1, info.vocab_size), seqs)
+    assert second is not None and not second.unfilled and second.eager == [0]
+    assert torch.equal(unpack(second.bitmask[0], info.vocab_size), allowed_tokens(llg, info.vocab_size))
+
+
+def unpack(row: torch.Tensor, vocab: int) -> torch.Tensor:
+    return ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].bool()
