@@ -187,7 +187,7 @@ class StructuredLogitsProcessor:
                 bitmask=self._bitmask,
                 rows=rows,
                 eager=[r for r in rows if id(seqs[r]) in self._hinted],
-                unfilled={row: _token_check(grammars[row]) for row in deferred},
+                unfilled={row: self._token_check(seqs_[row], grammars[row]) for row in deferred},
                 fill=lambda missing: self._fill_now(seqs_, grammars, missing),
             )
             self._last = (list(seqs), mask)
@@ -216,6 +216,18 @@ class StructuredLogitsProcessor:
                 ahead.append((grammar, row))
         return ahead, deferred
 
+    def _token_check(self, seq: Any, grammar: Grammar) -> Callable[[int], bool]:
+        validate = grammar.validate_tokens
+
+        def check(token: int) -> bool:
+            try:
+                return validate((token,)) == 1
+            except Exception as error:  # a grammar bug: its request fails after this step, the batch goes on
+                self._failures.append((seq, error))
+                return True
+
+        return check
+
     def _fill_now(self, seqs: list[Any], grammars: dict[int, Grammar], rows: list[int]) -> None:
         """Fill deferred rows the sampler needs whole. A row whose grammar raises allows everything for this
         step; its request fails after the step, like a failed fill ahead."""
@@ -243,11 +255,6 @@ class StructuredLogitsProcessor:
             if grammar is not None:
                 items.append((grammar, row))
         return items
-
-
-def _token_check(grammar: Grammar) -> Callable[[int], bool]:
-    validate = grammar.validate_tokens
-    return lambda token: validate((token,)) == 1
 
 
 def _done() -> Future[FillFailures]:

@@ -1,4 +1,4 @@
-"""Fault isolation: an exception inside one request's grammar (accept, mask fill, jump-forward) or its
+"""Fault isolation: an exception inside one request's grammar (accept, mask fill, token check, jump-forward) or its
 detokenization fails that request alone (finish reason "error", its KV blocks freed) while the others decode
 the tokens they would have decoded anyway; a crash of the step loop marks the `AsyncEngine` dead, fails every
 waiting client promptly with `EngineDeadError`, and `/health` answers 503."""
@@ -29,7 +29,7 @@ REQUESTS = {
     "choice": ([2000 + i for i in range(9)], None),
     "plain": ([3000 + i for i in range(4)], None),
 }
-FAULTS = ("accept", "fill_bitmask", "jump_forward", "detokenize")
+FAULTS = ("accept", "fill_bitmask", "token_check", "jump_forward", "detokenize")
 
 
 def make_params(structured: StructuredOutputsParams | None) -> SamplingParams:
@@ -96,8 +96,13 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
         monkeypatch.setattr(cls, name, patched)
 
     own = lambda self, *_: id(self) in victims  # noqa: E731
-    if fault in ("accept", "jump_forward"):
-        wrap(LLGuidanceGrammar, {"accept": "accept_tokens", "jump_forward": "find_jump_forward"}[fault], own)
+    if fault in ("accept", "jump_forward", "token_check"):
+        method = {
+            "accept": "accept_tokens",
+            "jump_forward": "find_jump_forward",
+            "token_check": "validate_tokens",
+        }
+        wrap(LLGuidanceGrammar, method[fault], own)
     elif fault == "fill_bitmask":
         # The batched native call fails as a whole; the row-by-row retry finds the victim.
         wrap(LLGuidanceGrammar, "fill_bitmask", own)
