@@ -74,21 +74,18 @@ class TorchAttentionBackend(AttentionBackend):
 
         # Sequences that are decoding inside a mixed (chunked-prefill) step still take the batched path.
         if decode_seqs:
-            block_size = key_cache.shape[1]
             lens = [metadata.context_lens_cpu[i] for i in decode_seqs]
-            for group in decode_length_groups(lens, block_size):
-                seqs = [decode_seqs[j] for j in group.seqs]
-                seq_index = torch.tensor(seqs, device=query.device)
-                rows = torch.tensor([starts[i] for i in seqs], device=query.device)
-                out[rows] = paged_decode_attention(
-                    query[rows],
-                    key_cache,
-                    value_cache,
-                    block_tables=metadata.block_tables[seq_index],
-                    context_lens=metadata.context_lens[seq_index],
-                    max_context_len=group.max_context_len,
-                    scale=scale,
-                )
+            grouped_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                metadata,
+                decode_length_groups(lens, key_cache.shape[1]),
+                scale=scale,
+                seqs=decode_seqs,
+                rows=[starts[i] for i in decode_seqs],
+                out=out,
+            )
 
         block_size = key_cache.shape[1]
         for i, (query_len, context_len) in enumerate(
@@ -169,9 +166,16 @@ def grouped_decode_attention(
     groups: list[DecodeGroup],
     *,
     scale: float,
+    seqs: list[int] | None = None,
+    rows: list[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` over each length group; a single group runs on the batch as it is."""
-    if len(groups) == 1:
+    """`paged_decode_attention` of each length group, written into `out` (a new tensor by default).
+
+    The groups index `seqs`, the decoding sequences of the batch (all of them by default, a pure decode step);
+    sequence `seqs[k]`'s new token is query row `rows[k]` (row = sequence by default).
+    """
+    if seqs is None and len(groups) == 1:  # the whole batch in one pass, no gather of rows
         return paged_decode_attention(
             query,
             key_cache,
@@ -181,11 +185,15 @@ def grouped_decode_attention(
             max_context_len=metadata.max_context_len,
             scale=scale,
         )
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     for group in groups:
-        index = torch.tensor(group.seqs, device=query.device)
-        out[index] = paged_decode_attention(
-            query[index],
+        members = group.seqs if seqs is None else [seqs[k] for k in group.seqs]
+        index = torch.tensor(members, device=query.device)
+        row_index = (
+            index if rows is None else torch.tensor([rows[k] for k in group.seqs], device=query.device)
+        )
+        out[row_index] = paged_decode_attention(
+            query[row_index],
             key_cache,
             value_cache,
             block_tables=metadata.block_tables[index],
