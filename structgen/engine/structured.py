@@ -5,8 +5,9 @@ A constrained request waits in WAITING_FOR_GRAMMAR while its grammar compiles on
 (other requests keep decoding). Before each schedule `poll` starts the grammars whose compile finished: a
 failed compile ends that request with finish reason "error"; a successful one appends the tokens the grammar
 forces at the start (e.g. `{"`), which are then prefilled with the prompt. Before the forward `prepare` starts
-filling the batch bitmask on the mask thread; the installed `StructuredLogitsProcessor` hands it to the sampler
-(a `TokenMask`, applied only to rows whose pick it would change).
+filling, on the mask thread, the bitmask rows the sampler will need whole; the installed
+`StructuredLogitsProcessor` hands the mask to the sampler (a `TokenMask`, applied only to rows whose pick it
+would change; rows left unfilled are checked token by token and filled only if a pick is rejected).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ token raises: the mask and the matcher disagree, a bug that must not pass silent
 `jump_forward`, and the finished text gets `validate`d, with `should_retry` telling a relaxed request
 to sample again. `StructuredLogitsProcessor` is the engine's `logits_processor(logits, seqs)`: it fills the
 rows of the constrained sequences (started early with `prepare`, so the fill overlaps the model forward)
-and masks only those rows.
+and masks only those rows, or, deferring to the sampler, hands over a `TokenMask` in which rows of grammars
+that check single tokens cheaply are left unfilled until the sampler needs them whole.
 """
 
 from __future__ import annotations
