@@ -13,10 +13,14 @@ allowed are masked and picked again. That is exact, not an approximation:
   gives exactly the masked distribution.
 
 Rows that use top-k / top-p / min-p (their truncation depends on the masked distribution) or that return
-logprobs (which must be those of the masked distribution) are masked before sampling, as before. So are the
-`eager` rows: the caller's guess of where a pick will be rejected (a row the sampler had to mask at the last
-step is likely at a structural point again, where masking first is cheaper than picking twice). The hint
-changes only cost, never the distribution.
+logprobs (which must be those of the masked distribution) are masked before sampling. The `eager` rows, the
+caller's guess of where a pick will be rejected (a row rejected at the last step is likely at a structural
+point again), skip the unmasked pick: a row whose mask allows few tokens is picked among those alone, one
+whose mask turns out wide open goes the lazy way after all. The hint changes only cost, never the
+distribution.
+
+Checking a pick needs one bit, not the whole row: rows listed in `unfilled` are checked against their
+grammar (a few µs) and their bitmask row is filled only when the sampler needs it whole.
 """
 
 from __future__ import annotations
