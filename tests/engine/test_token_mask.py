@@ -114,7 +114,7 @@ def test_a_lazy_row_with_nothing_allowed_is_an_error_naming_the_mask() -> None:
 
 
 @pytest.mark.parametrize("vocab", [64, 4 * SPARSE_LIMIT])
-def test_rejections_are_recorded_and_hinted_rows_are_masked_first(vocab: int) -> None:
+def test_rejections_are_recorded_and_hinted_rows_skip_the_unmasked_pick(vocab: int) -> None:
     logits = random_logits(3, vocab, seed=4)
     best = logits.argmax(dim=1).tolist()
     # Rows 0 and 2 forbid their argmax; hinted row 1 allows its own.
@@ -140,14 +140,9 @@ def test_rows_allowing_few_tokens_pick_among_them_like_the_masked_row(temperatur
     allowed[3] = list(range(0, vocab, 2))  # wide open: masked whole
     bitmask = mask_allowing(vocab, allowed)
 
-    def run(hinted: bool) -> list[int]:
-        rows = [make_row(SamplingParams(temperature=temperature, seed=s)) for s in range(batch)]
-        eager = list(range(batch)) if hinted else []
-        return Sampler()(
-            logits.clone(), rows, mask=TokenMask(bitmask, list(range(batch)), eager=eager)
-        ).token_ids
-
-    picks = run(hinted=True)
+    rows = [make_row(SamplingParams(temperature=temperature, seed=s)) for s in range(batch)]
+    every_row = list(range(batch))  # all hinted: picked among their allowed tokens where those are few
+    picks = Sampler()(logits.clone(), rows, mask=TokenMask(bitmask, every_row, eager=every_row)).token_ids
     assert all(p in allowed[r] for r, p in enumerate(picks))
     if temperature == 0.0:
         masked = logits.clone()
@@ -165,7 +160,7 @@ def test_rows_allowing_few_tokens_pick_among_them_like_the_masked_row(temperatur
 def test_rejected_sampled_rows_draw_again_before_any_masking() -> None:
     # Token 0 holds half the mass and is forbidden: about half the first draws are rejected, and most of
     # those are settled by drawing again from the unmasked distribution; only rows that keep landing on it
-    # (1 in 16 of the rejected ones, in expectation) are masked.
+    # (1 in 16 of the rejected ones, in expectation) fall back to the mask (here: a pick among the 15 allowed).
     draws, vocab = 400, 16
     logits = torch.zeros(vocab)
     logits[0] = math.log(vocab - 1)
