@@ -63,12 +63,13 @@ def allowed_token_ids(packed_row: np.ndarray, vocab: int, limit: int = SPARSE_LI
     return torch.from_numpy(ids[ids < vocab].astype(np.int64))
 
 
-def pick_among(values: Tensor, *, greedy: bool, uniform: Tensor) -> tuple[int, bool]:
+def pick_among(values: Tensor, *, uniform: Tensor | None = None) -> tuple[int, bool]:
     """Index into `values` (the allowed tokens' logits, temperature already applied) of the pick, and whether
-    any of them was possible. `uniform`: a float64 U[0, 1) scalar tensor for a sampled row."""
+    any of them was possible: the first maximum (greedy, no `uniform`), or a draw by `uniform` (a float64
+    U[0, 1) scalar tensor)."""
     if values.numel() == 0:
         return 0, False
-    if greedy:
+    if uniform is None:
         index = int(values.argmax())
         return index, bool(torch.isfinite(values[index]))
     top = values.max()

@@ -60,12 +60,6 @@ class InverseCdf:
         return (chosen_block * block + position).squeeze(1).clamp_max(vocab - 1)
 
 
-def inverse_cdf(probs: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Token ids drawn from each row of `probs` by inverse CDF, and whether the row had any mass at all."""
-    cdf = InverseCdf(probs)
-    return cdf.draw(uniforms), cdf.ok
-
-
 def search(cum: Tensor, target: Tensor) -> Tensor:
     """First index whose cumulative mass exceeds `target` (`[rows, 1]`), never past the last with mass.
 

@@ -39,7 +39,6 @@ from structgen.sampling_params import SamplingParams
 # many times before it is masked: at most a few cheap searches where the mask forbids little (a random token in
 # a JSON string), and a quick fall-back to the mask at structural points where it allows only a few tokens.
 _REDRAWS = 3
-_NO_UNIFORM = torch.zeros((), dtype=torch.float64)
 
 
 @dataclass(slots=True)
@@ -243,7 +242,7 @@ class Sampler:
             values = x[i, ids]
             if not params.greedy and params.temperature != 1.0:
                 values = values / params.temperature
-            index, possible = pick_among(values, greedy=params.greedy, uniform=uniforms.get(i, _NO_UNIFORM))
+            index, possible = pick_among(values, uniform=uniforms.get(i))
             token_ids[i] = int(ids[index]) if possible else -1
             ok[i] = possible
             if not possible:

@@ -103,7 +103,7 @@ class TokenMask:
 
     def subset(self, keep: list[int]) -> TokenMask:
         """The mask of the batch made of rows `keep` of this one (in that order)."""
-        self.ensure_filled([row for row in keep if row in self.rows])  # the copy below must be complete
+        self.ensure_filled(keep)  # the copy below must be complete
         position = {row: j for j, row in enumerate(keep)}
         index = torch.tensor(keep, dtype=torch.long, device=self.bitmask.device)
         return TokenMask(

@@ -157,6 +157,9 @@ class StructuredLogitsProcessor:
     def prepare(self, seqs: Sequence[Any]) -> None:
         self._settle()
         items = self._items(seqs)
+        # Rows the sampler had to mask or pick among few tokens at the last step are hinted (see TokenMask).
+        last, self._last = self._last, None
+        self._hinted = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
         ahead, deferred = self._split_deferred(seqs, items)
         future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
         self._pending = (list(seqs), items, deferred, future)
@@ -202,8 +205,6 @@ class StructuredLogitsProcessor:
         """(rows to fill now, on the mask thread; rows left unfilled). A deferred row's pick is checked against
         its grammar alone (a few µs where filling the row walks the vocabulary) and the row is filled only if
         the sampler needs it whole: rows of grammars that check tokens cheaply, picked lazily, not hinted."""
-        last, self._last = self._last, None
-        self._hinted = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
         if not self.defer:
             return items, []
         ahead, deferred = [], []

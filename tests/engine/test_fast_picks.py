@@ -51,14 +51,14 @@ def test_allowed_token_ids_reads_the_bits_and_gives_up_past_the_limit() -> None:
 
 def test_pick_among_greedy_sampled_and_impossible() -> None:
     values = torch.tensor([0.5, 2.0, 2.0, NEG_INF])
-    assert pick_among(values, greedy=True, uniform=torch.tensor(0.0)) == (1, True)  # the first maximum
-    assert pick_among(torch.full((3,), NEG_INF), greedy=True, uniform=torch.tensor(0.0))[1] is False
-    assert pick_among(torch.full((3,), NEG_INF), greedy=False, uniform=torch.tensor(0.5))[1] is False
-    assert pick_among(torch.tensor([1.0, float("nan")]), greedy=False, uniform=torch.tensor(0.5))[1] is False
-    assert pick_among(torch.empty(0), greedy=False, uniform=torch.tensor(0.5)) == (0, False)
+    assert pick_among(values) == (1, True)  # the first maximum
+    assert pick_among(torch.full((3,), NEG_INF))[1] is False
+    assert pick_among(torch.full((3,), NEG_INF), uniform=torch.tensor(0.5))[1] is False
+    assert pick_among(torch.tensor([1.0, float("nan")]), uniform=torch.tensor(0.5))[1] is False
+    assert pick_among(torch.empty(0), uniform=torch.tensor(0.5)) == (0, False)
     # Sampled: the CDF of softmax(values); -inf entries are never picked.
     probs = torch.softmax(values.double(), 0)
     cum = probs.cumsum(0)
     for u in (0.0, 0.1, float(cum[0]) + 1e-9, 0.6, 0.999999):
-        index, possible = pick_among(values, greedy=False, uniform=torch.tensor(u, dtype=torch.float64))
+        index, possible = pick_among(values, uniform=torch.tensor(u, dtype=torch.float64))
         assert possible and index == int((cum > u).nonzero()[0]) and index != 3

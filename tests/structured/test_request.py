@@ -15,6 +15,7 @@ from structgen.structured import (
     StructuredOutputsParams,
     UnsupportedSchemaError,
 )
+from structgen.structured.bitmask import unpack_bitmask
 from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
 
 
@@ -125,7 +126,8 @@ def test_deferred_rows_are_checked_by_their_grammar_and_filled_only_when_needed(
     assert mask is not None and mask.rows == [0, 1, 2] and list(mask.unfilled) == [0]
     for row in (1, 2):  # filled ahead, on the mask thread
         assert torch.equal(
-            unpack(mask.bitmask[row], info.vocab_size), allowed_tokens(seqs[row].grammar, info.vocab_size)
+            unpack_bitmask(mask.bitmask[row], info.vocab_size),
+            allowed_tokens(seqs[row].grammar, info.vocab_size),
         )
     brace, letter = encode("{")[0], encode("x")[0]
     assert mask.allows([0, 0, 2, 2], torch.tensor([brace, letter, letter, brace])) == [
@@ -154,8 +156,6 @@ def test_a_deferred_row_is_masked_first_once_hinted(manager, backends, info, enc
     processor.prepare(seqs)
     second = processor(torch.zeros(1, info.vocab_size), seqs)
     assert second is not None and not second.unfilled and second.eager == [0]
-    assert torch.equal(unpack(second.bitmask[0], info.vocab_size), allowed_tokens(llg, info.vocab_size))
-
-
-def unpack(row: torch.Tensor, vocab: int) -> torch.Tensor:
-    return ((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].bool()
+    assert torch.equal(
+        unpack_bitmask(second.bitmask[0], info.vocab_size), allowed_tokens(llg, info.vocab_size)
+    )
