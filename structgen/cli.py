@@ -17,7 +17,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="smollm2-135m (default), tiny, or a local HF checkpoint directory / .gguf file",
     )
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 | float16 (default auto: bf16 on CPUs with native bf16, else fp32)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "int4", "none"],
+        help="weight-only int4 for small batches on the CPU in bf16: auto (a GGUF's own 4-bit blocks, as the "
+        "default model's), int4 (also quantize HF checkpoints), none",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -102,6 +113,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
             enforce_eager=args.enforce_eager,

@@ -77,7 +77,10 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    # Weight-only int4 for small batches on the CPU (bf16): "auto" reads a GGUF's own 4-bit blocks (the default
+    # model's), "int4" also quantizes HF checkpoints, "none" turns it off. See structgen.models.cpu_linear.
+    quantization: str = "auto"
     device: str | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -90,3 +93,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization not in ("auto", "int4", "none"):
+            raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")

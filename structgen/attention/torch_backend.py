@@ -87,35 +87,53 @@ class TorchAttentionBackend(AttentionBackend):
                 out=out,
             )
 
-        block_size = key_cache.shape[1]
-        for i, (query_len, context_len) in enumerate(
-            zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
-        ):
-            if query_len <= 1:
-                continue
-            rows = slice(starts[i], starts[i] + query_len)
-            q = query[rows].transpose(0, 1)  # [heads, q, head_dim]
-            if context_len == query_len:  # nothing cached before: attend to the fresh keys directly
-                k, v, mask = key[rows], value[rows], None
-            else:
-                num_blocks = -(-context_len // block_size)
-                blocks = metadata.block_tables[i, :num_blocks].long()
-                k = key_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-                v = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-                # New token j sits at position context_len - query_len + j and sees every position up to it.
-                query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
-                mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1).to(q.dtype),
-                v.transpose(0, 1).to(q.dtype),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[rows] = o.transpose(0, 1)
+        prefill_attention(query, key, value, key_cache, value_cache, metadata, out=out, scale=scale)
         return out
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    *,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Attention of the sequences with several new tokens, one at a time, written into their rows of `out`."""
+    block_size = key_cache.shape[1]
+    start = 0
+    for i, (query_len, context_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
+    ):
+        if query_len <= 1:
+            start += query_len
+            continue
+        rows = slice(start, start + query_len)
+        start += query_len
+        q = query[rows].transpose(0, 1)  # [heads, q, head_dim]
+        if context_len == query_len:  # nothing cached before: attend to the fresh keys directly
+            k, v, mask = key[rows], value[rows], None
+        else:
+            num_blocks = -(-context_len // block_size)
+            blocks = metadata.block_tables[i, :num_blocks].long()
+            k = key_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+            v = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+            # New token j sits at position context_len - query_len + j and sees every position up to it.
+            query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
+            mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(0, 1).to(q.dtype),
+            v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(0, 1)
 
 
 def write_kv_cache(

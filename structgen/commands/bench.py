@@ -21,6 +21,7 @@ BENCHMARKS = {
     "server": ("server", "the HTTP server under concurrent load"),
     "kernels": ("kernels", "Triton kernels vs their torch references"),
     "tools": ("tools", "tool calling"),
+    "peers": ("peers", "structgen vs vLLM and llama.cpp servers over HTTP, same model, one at a time"),
 }
 
 EPILOG = "benchmarks:\n" + "\n".join(f"  {name:<11} {what}" for name, (_, what) in BENCHMARKS.items())

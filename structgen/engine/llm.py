@@ -25,7 +25,8 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
+        quantization: str = "auto",
         device: str | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
@@ -44,6 +45,7 @@ class LLM:
         config = EngineConfig(
             model=model,
             dtype=dtype,
+            quantization=quantization,
             device=device,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,

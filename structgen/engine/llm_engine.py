@@ -80,6 +80,11 @@ class LLMEngine:
                 # The workers load their shards while this process loads rank 0's.
                 self.tp_group = TensorParallelGroup.start(model_dir, config, self.device)
             model = load_model(model_dir, dtype=config.dtype, device=self.device, tp_size=tp_size)
+            if tp_size == 1:
+                from structgen.models.cpu_linear import attach_int4
+                from structgen.models.registry import gguf_source
+
+                attach_int4(model, quantization=config.quantization, gguf_path=gguf_source(config.model))
             if self.tp_group is not None:
                 self.tp_group.wait_ready()
             tokenizer = Tokenizer.from_dir(model_dir)

@@ -1,10 +1,15 @@
-"""Small building blocks of the decoder: RMSNorm (optionally fused with the residual add) and SwiGLU."""
+"""Small building blocks of the decoder: RMSNorm (optionally fused with the residual add) and SwiGLU.
+
+On the CPU each goes through one native kernel (`structgen.kernels.cpu_ops`) that does the same arithmetic, with
+the same roundings, as the torch formulas here: those stay the path everywhere else."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from structgen.models.cpu_kernels import native_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +26,19 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = native_ops(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, eps=self.eps)
         return self._norm(x)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(norm(x + residual), x + residual)`: the pre-norm decoder's add-then-normalize in one call."""
+        """`(norm(x + residual), x + residual)`: the pre-norm decoder's add-then-normalize in one call. The
+        native kernel writes the sum into `residual` in place (the decoder owns that stream, nothing else reads it)."""
+        ops = native_ops(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
+        if ops is not None and residual.dtype == x.dtype and residual.shape == x.shape:
+            return ops.fused_add_rms_norm(x, residual, self.weight, eps=self.eps)
         x = residual + x
         return self._norm(x), x
 
@@ -35,5 +47,8 @@ class SiluAndMul(nn.Module):
     """SwiGLU on a fused `[gate | up]` projection: `silu(gate) * up`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = native_ops(x) if x.dim() == 2 else None
+        if ops is not None:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

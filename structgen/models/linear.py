@@ -9,11 +9,17 @@ one matmul each also halves the kernel launches of a CPU decode step. With tp_si
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from structgen.errors import ModelLoadError
+
+LinearKernel = Callable[[torch.Tensor], torch.Tensor]
+"""`x -> x @ W^T` for this rank's weight, computed another way than `F.linear` (prepacked bf16, int4): set
+after loading by `structgen.models.cpu_linear` (the bias, if any, is still added by the layer)."""
 
 
 def _check_shape(expected: tuple[int, ...], loaded: torch.Tensor) -> None:
@@ -77,9 +83,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _new_param(self.local_output_size) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
 
     def _copy_rows(
         self,
@@ -212,11 +222,13 @@ class RowParallelLinear(nn.Module):
         self.bias = _new_param(output_size) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self.kernel is None:
             return F.linear(x, self.weight, self.bias)
-        y = _all_reduce(F.linear(x, self.weight), self.tp_size)
+        y = F.linear(x, self.weight) if self.kernel is None else self.kernel(x)
+        y = _all_reduce(y, self.tp_size)
         return y if self.bias is None else y + self.bias  # the bias is added once, after the sum
 
     def weight_loader(
@@ -274,9 +286,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded like the embedding so tied checkpoints can share one parameter."""
 
+    kernel: LinearKernel | None = None  # the lm_head's own product (the embedding lookup keeps `weight`)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on rank 0; with tensor parallelism, other ranks get their shard only."""
-        logits = _gather_last_dim_to_rank0(F.linear(hidden_states, self.weight), self.tp_rank, self.tp_size)
+        local = F.linear(hidden_states, self.weight) if self.kernel is None else self.kernel(hidden_states)
+        logits = _gather_last_dim_to_rank0(local, self.tp_rank, self.tp_size)
         return logits[..., : self.num_embeddings] if self.tp_size > 1 and self.tp_rank == 0 else logits
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

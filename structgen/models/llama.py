@@ -16,6 +16,7 @@ from torch import nn
 from structgen.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from structgen.errors import ModelLoadError
 from structgen.models.config import ModelConfig
+from structgen.models.cpu_kernels import native_ops
 from structgen.models.layers import RMSNorm, SiluAndMul
 from structgen.models.linear import (
     MergedColumnParallelLinear,
@@ -84,7 +85,11 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        ops = native_ops(q) if q.dtype == cos.dtype else None
+        if ops is not None:
+            ops.rotary_embedding_(q, k, cos, sin)  # in place: q and k are this step's own projections
+        else:
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         out = self.attn_backend.forward(q, k, v, kv_cache, metadata, scale=self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 

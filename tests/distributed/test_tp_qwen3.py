@@ -23,6 +23,7 @@ def _greedy(model_dir: Path, tp_size: int) -> list[list[int]]:
     config = EngineConfig(
         model=str(model_dir),
         device="cpu",
+        dtype="float32",  # sharded partial sums must match the unsharded ones to fp32 accuracy
         tensor_parallel_size=tp_size,
         cache=CacheConfig(kv_cache_tokens=512),
     )

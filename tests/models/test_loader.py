@@ -14,6 +14,7 @@ from paged_harness import PagedRunner
 from safetensors.torch import load_file, save_file
 
 from structgen.errors import ModelLoadError, UnsupportedArchitectureError
+from structgen.models.cpu_linear import cpu_has_native_bf16
 from structgen.models.loader import (
     ShardWriter,
     checkpoint_files,
@@ -82,6 +83,9 @@ def test_single_file_checkpoint(hf_llama: Any, single_dir: Path) -> None:
     assert (logits - _hf_logits(hf_llama)).abs().max().item() < 1e-4
 
 
+CPU_AUTO = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 @pytest.mark.parametrize(
     ("requested", "expected"),
     [
@@ -90,7 +94,7 @@ def test_single_file_checkpoint(hf_llama: Any, single_dir: Path) -> None:
         ("bfloat16", torch.bfloat16),
         ("fp16", torch.float16),
         (torch.float16, torch.float16),
-        ("auto", torch.float32),  # fp32 checkpoint
+        ("auto", CPU_AUTO),  # on the CPU: bf16 where the CPU computes it natively, else fp32
     ],
 )
 def test_dtype_selection(single_dir: Path, requested: Any, expected: torch.dtype) -> None:
@@ -108,11 +112,19 @@ def test_auto_dtype_follows_the_checkpoint_except_on_cpu(hf_llama: Any, tmp_path
     hf_llama.to(torch.bfloat16).save_pretrained(tmp_path)
     hf_llama.to(torch.float32)
     assert json.loads((tmp_path / "config.json").read_text()).get("dtype") == "bfloat16"
-    model = load_model(tmp_path, dtype="auto")  # CPU: fp16/bf16 checkpoints compute in fp32
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model = load_model(tmp_path, dtype="auto")  # CPU: whatever the checkpoint says, the CPU's fast dtype
+    assert {p.dtype for p in model.parameters()} == {CPU_AUTO}
     assert resolve_dtype("auto", checkpoint_dtype=torch.bfloat16, device="cuda") == torch.bfloat16
     assert resolve_dtype("auto", checkpoint_dtype=None, device="cuda:0") == torch.float32
-    assert resolve_dtype("AUTO", checkpoint_dtype=torch.float16, device="cpu") == torch.float32
+    assert resolve_dtype("AUTO", checkpoint_dtype=torch.float16, device="cpu") == CPU_AUTO
+
+
+def test_cpu_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from structgen.models import cpu_linear
+
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_dtype("auto", checkpoint_dtype=torch.float32, device="cpu") == expected
 
 
 def test_bad_dtypes_are_rejected(single_dir: Path) -> None:

@@ -1,0 +1,76 @@
+// Shared helpers of the CPU kernels: element conversions and a vectorizable exp.
+//
+// The kernels are plain loops that GCC/Clang vectorize for the build machine (-O3 -march=native, `omp simd`);
+// bf16 is handled as raw 16-bit patterns so the loops stay free of calls the vectorizer cannot see through.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace structgen_cpu {
+
+// __builtin_bit_cast (GCC >= 11, Clang >= 9), not memcpy: the vectorizer sees through it.
+inline float bits_to_float(uint32_t bits) { return __builtin_bit_cast(float, bits); }
+
+inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+// Element types as the kernels see them: load to float, store from float (rounding like torch does).
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  using storage = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+  static inline float round(float v) { return v; }
+};
+
+template <>
+struct Elem<c10::BFloat16> {
+  using storage = uint16_t;
+  static inline float load(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
+  // Round to nearest even, NaN kept NaN: the same rounding as c10::BFloat16's constructor.
+  static inline uint16_t store(float v) {
+    uint32_t bits = float_to_bits(v);
+    if (std::isnan(v)) return 0x7fc0;
+    uint32_t rounding_bias = ((bits >> 16) & 1u) + 0x7fffu;
+    return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+  }
+  // What a bf16 tensor op does to an intermediate: compute in float, round to bf16, continue in float.
+  static inline float round(float v) { return load(store(v)); }
+};
+
+// exp(x) to ~2 ulp over the float range, written so a loop of it vectorizes (no libm call): 2^(x log2 e) split
+// into 2^n (exponent bits) times a degree-7 polynomial for 2^f, f in [-0.5, 0.5]. Underflows to 0 below
+// -87.3 (softmax weights of masked or far-below-max scores), overflows to inf above 88.7, NaN stays NaN.
+inline float fast_exp(float x) {
+  float c = x < -87.33654f ? -87.33654f : x;
+  c = c > 88.72283f ? 88.72283f : c;
+  const float t = c * 1.44269504088896341f;
+  // Round to nearest by the 1.5 * 2^23 trick (|t| < 128 here): vectorizes where nearbyint may not.
+  const float n = (t + 12582912.0f) - 12582912.0f;
+  const float f = t - n;
+  // 2^f = e^(f ln 2): Taylor terms of e^y, |y| <= 0.35, truncation error < 1e-8 relative.
+  const float y = f * 0.693147180559945309f;
+  float p = 1.0f / 5040.0f;
+  p = p * y + 1.0f / 720.0f;
+  p = p * y + 1.0f / 120.0f;
+  p = p * y + 1.0f / 24.0f;
+  p = p * y + 1.0f / 6.0f;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  const float scale = bits_to_float(static_cast<uint32_t>(e < 1 ? 1 : e) << 23);
+  float r = p * scale;
+  r = x < -87.33654f ? 0.0f : r;
+  r = x > 88.72283f ? INFINITY : r;
+  return x != x ? x : r;
+}
+
+}  // namespace structgen_cpu
