@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from structgen.kernels import cpu_build, cpu_ops
 
 from structgen.attention.torch_backend import paged_decode_attention as torch_paged_decode_attention
-from structgen.kernels import cpu_build, cpu_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 outputs are compared at a couple of bf16 ulps (the kernel accumulates in another order); the fused
