@@ -49,6 +49,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for the forward (default: torch's, one per core)",
+    )
+    serve.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -109,6 +115,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     from structgen.structured import StructuredOutputConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            print("structgen serve: --threads must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         config = EngineConfig(
             model=args.model,

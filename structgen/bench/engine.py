@@ -52,9 +52,9 @@ def workload(seed: int = 0, num: int = NUM_REQUESTS) -> list[tuple[list[int], in
     ]
 
 
-def make_llm(model: str, device: str, **kwargs: Any) -> LLM:
+def make_llm(model: str, device: str, *, dtype: str = "float32", **kwargs: Any) -> LLM:
     defaults: dict[str, Any] = {"kv_cache_tokens": 64 * 800, "max_num_seqs": 64}
-    return LLM(model, device=device, dtype="float32", **(defaults | kwargs))
+    return LLM(model, device=device, dtype=dtype, **(defaults | kwargs))
 
 
 def params_for(output_len: int) -> SamplingParams:
@@ -75,11 +75,16 @@ def bench_engine_throughput(llm: LLM, work: list[tuple[list[int], int]]) -> dict
 
 
 def bench_hf_throughput(
-    model_dir: Path, work: list[tuple[list[int], int]], device: str, max_batches: int | None
+    model_dir: Path,
+    work: list[tuple[list[int], int]],
+    device: str,
+    max_batches: int | None,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     batches = [work[i : i + HF_BATCH] for i in range(0, len(work), HF_BATCH)][:max_batches]
     _hf_generate(model, [(work[0][0][:32], 4)], device)  # warm-up
     start = time.perf_counter()
@@ -215,10 +220,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for model in args.model:
         results: dict[str, Any] = {}
         report[model] = results
-        llm = make_llm(model, args.device)
+        llm = make_llm(model, args.device, dtype=args.dtype)
+        dtype = next(llm.engine.model.parameters()).dtype
+        results["dtype"] = str(dtype).removeprefix("torch.")
         if args.bench in ("all", "throughput"):
             engine = bench_engine_throughput(llm, work)
-            hf = bench_hf_throughput(resolve_model(model), work, args.device, args.hf_batches)
+            hf = bench_hf_throughput(resolve_model(model), work, args.device, args.hf_batches, dtype=dtype)
             results["throughput"] = {
                 "engine": engine,
                 "hf": hf,
@@ -276,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--hf-batches", type=int, default=None, help="time only the first K HF batches of 8")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the engine's dtype (auto: the CPU's fast one); HF generate runs in the same resolved dtype",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     args.model = args.model or ["tiny"]
