@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -28,7 +29,7 @@ namespace {
 template <typename KVT, int D, int G>
 void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const typename Elem<KVT>::storage* vc,
                   const int32_t* table, int64_t len, int64_t block_size, int64_t slot_stride, int64_t head_offset,
-                  float* scores, float* out) {
+                  float scale, float* scores, float* out) {
   using KE = Elem<KVT>;
   using KS = typename KE::storage;
   float q[G][D];
@@ -47,7 +48,7 @@ void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const 
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; ++d) dot += q[g][d] * kf[d];
-        scores[g * len + t0 + i] = dot;
+        scores[g * len + t0 + i] = dot * scale;
       }
     }
   }
@@ -126,12 +127,27 @@ inline void prefetch_next_block(const KS* cache, const int32_t* table, int64_t t
 template <typename KVT, int D, int G>
 void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const typename Elem<KVT>::storage* vc,
                    const int32_t* table, int64_t len, int64_t block_size, int64_t slot_stride, int64_t head_offset,
-                   float* scores, float* out) {
+                   float scale, float* scores, float* out) {
   using KS = typename Elem<KVT>::storage;
   constexpr int V = D / 16;
+#if defined(__AVX512BF16__)
+  // bf16 keys: dot products straight from the cache with AVX512-BF16's pairwise dot (no conversion of the
+  // keys, half the multiply instructions). Exact products, fp32 sums; the query is bf16 already whenever the
+  // cache is (the model's dtype), so rounding it to bf16 loses nothing.
+  constexpr bool kPairDot = std::is_same_v<KVT, c10::BFloat16>;
+#else
+  constexpr bool kPairDot = false;
+#endif
   __m512 q[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) q[g][v] = _mm512_loadu_ps(qf + g * D + 16 * v);
+#if defined(__AVX512BF16__)
+  __m512bh qp[G][V / 2 > 0 ? V / 2 : 1];
+  if constexpr (kPairDot) {
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v + 1 < V; v += 2) qp[g][v / 2] = _mm512_cvtne2ps_pbh(q[g][v + 1], q[g][v]);
+  }
+#endif
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const KS* kb = kc + table[t0 / block_size] * block_size * slot_stride + head_offset;
     const int64_t n = std::min<int64_t>(block_size, len - t0);
@@ -139,12 +155,24 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
     prefetch_next_block(vc, table, t0 - block_size, len, block_size, slot_stride, head_offset, D * sizeof(KS));
     for (int64_t i = 0; i < n; ++i) {
       const KS* k = kb + i * slot_stride;
+#if defined(__AVX512BF16__)
+      if constexpr (kPairDot && V % 2 == 0) {
+        __m512bh kp[V / 2];
+        for (int v = 0; v < V / 2; ++v) kp[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+        for (int g = 0; g < G; ++g) {
+          __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0], kp[0]);
+          for (int v = 1; v < V / 2; ++v) acc = _mm512_dpbf16_ps(acc, qp[g][v], kp[v]);
+          scores[g * len + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
+        }
+        continue;
+      }
+#endif
       __m512 kv[V];
       for (int v = 0; v < V; ++v) kv[v] = load16<KVT>(k + 16 * v);
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
         for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
-        scores[g * len + t0 + i] = _mm512_reduce_add_ps(acc);
+        scores[g * len + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
       }
     }
   }
@@ -190,7 +218,7 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
 
 template <typename KVT>
 using FixedTask = void (*)(const float*, const typename Elem<KVT>::storage*, const typename Elem<KVT>::storage*,
-                           const int32_t*, int64_t, int64_t, int64_t, int64_t, float*, float*);
+                           const int32_t*, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
 
 template <typename KVT, int D>
 FixedTask<KVT> fixed_for_group(int64_t group) {
@@ -252,6 +280,8 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
     }
   }
   const FixedTask<KVT> fixed = fixed_task<KVT>(head_dim, group);
+  // The fixed-size tasks scale each score (the query stays exactly as stored); the generic loop scales q once.
+  const float qscale = fixed != nullptr ? 1.0f : fscale;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim);
@@ -264,10 +294,10 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
         const QS* src = q + r * q_row_stride + (h * group + g) * q_head_stride;
         float* dst = qf.data() + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::load(src[d]) * fscale;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::load(src[d]) * qscale;
       }
       if (fixed != nullptr) {
-        fixed(qf.data(), kc, vc, tables + s * table_stride, len, block_size, slot_stride, h * head_dim,
+        fixed(qf.data(), kc, vc, tables + s * table_stride, len, block_size, slot_stride, h * head_dim, fscale,
               scores.data(), acc.data());
         for (int64_t g = 0; g < group; ++g) {
           QS* dst = o + r * o_row_stride + (h * group + g) * o_head_stride;
