@@ -23,6 +23,22 @@
 namespace structgen_cpu {
 namespace {
 
+// Exact softmax of one head's scores, in float: the max subtracted first, then exp, sum and scale.
+inline void softmax_in_place(float* __restrict sc, int64_t len) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    const float e = fast_exp(sc[t] - m);
+    sc[t] = e;
+    sum += e;
+  }
+  const float inv = len > 0 ? 1.0f / sum : 0.f;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
+}
+
 // The hot loop with the head size and the GQA group size known at compile time, so the per-token work (convert a
 // key row, dot it with each query head; convert a value row, accumulate it into each head's output) unrolls into
 // registers. Measured on SmolLM2's shapes (64-dim heads, groups of 3): several times the generic loop's speed.
@@ -52,21 +68,7 @@ void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const 
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* sc = scores + g * len;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      const float e = fast_exp(sc[t] - m);
-      sc[t] = e;
-      sum += e;
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-  }
+  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * len, len);
   float acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
@@ -176,21 +178,7 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* sc = scores + g * len;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      const float e = fast_exp(sc[t] - m);
-      sc[t] = e;
-      sum += e;
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-  }
+  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * len, len);
   __m512 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
@@ -329,22 +317,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
           }
         }
       }
-      // Softmax per query head, in float, exactly (max subtracted first).
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float e = fast_exp(sc[t] - m);
-          sc[t] = e;
-          sum += e;
-        }
-        const float inv = len > 0 ? 1.0f / sum : 0.f;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
       // Pass 2: the weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
