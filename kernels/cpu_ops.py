@@ -1,8 +1,10 @@
 """Thin launchers of the native CPU kernels (`csrc/cpu_*.cpp`), each beside the pure-torch reference it must match.
 
-A launcher checks shapes and dtypes in Python (a bad call fails readably instead of reading out of bounds) and
-calls `torch.ops.structgen_cpu.*`; `available()` says whether the library could be built and loaded (see
-`cpu_build`). The references spell out the arithmetic the kernels reproduce, roundings included: the model code
+A launcher calls `torch.ops.structgen_cpu.*` directly: the kernels check every shape, dtype and index they rely
+on (TORCH_CHECK) before touching memory, so nothing is checked twice on the hot path (Python checks cost more
+than the small kernels themselves: ~40 us a call, measured). When a kernel refuses a call, the launcher's own
+checks name the argument at fault, and the error is a ValueError either way. `available()` says whether the
+library could be built and loaded (see `cpu_build`). The references spell out the arithmetic the kernels reproduce, roundings included: the model code
 uses the same formulas on devices where the kernels do not run.
 """
 
@@ -27,6 +29,11 @@ def _check_cpu(name: str, *tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: CPU tensors only, got {t.device}")
 
 
+def _kernel_message(exc: RuntimeError) -> str:
+    """The kernel's own TORCH_CHECK message, without the C++ frames torch appends."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
 def _check_rows(name: str, what: str, tensor: torch.Tensor) -> None:
     if tensor.stride(-1) != 1:
         raise ValueError(f"{name}: {what} must be contiguous in its last dimension")
@@ -48,6 +55,27 @@ def paged_decode_attention(
     | None = None,  # [num_seqs] int32: the query/out row of each sequence (default: row = seq)
 ) -> torch.Tensor:
     """Each sequence's newest token attended over its cached context, read from the paged cache in place."""
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    try:
+        torch.ops.structgen_cpu.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, context_lens, float(scale), out, rows
+        )
+    except RuntimeError as exc:
+        _check_paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, out, rows)
+        raise ValueError(f"paged_decode_attention: {_kernel_message(exc)}") from None
+    return out
+
+
+def _check_paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor | None,
+) -> None:
     name = "paged_decode_attention"
     _check_cpu(name, query, key_cache, value_cache, block_tables, context_lens)
     check_dtype(name, "query", query, KERNEL_DTYPES)
@@ -67,21 +95,15 @@ def paged_decode_attention(
     check_shape(name, "block_tables", block_tables, (num_seqs, None))
     _check_rows(name, "query", query)
     _check_rows(name, "block_tables", block_tables)
-    context_lens = context_lens.contiguous()
+    if not context_lens.is_contiguous():
+        raise ValueError(f"{name}: context_lens must be contiguous")
     if rows is None and query.shape[0] != num_seqs:
         raise ValueError(f"{name}: {query.shape[0]} query rows for {num_seqs} sequences (pass rows=)")
     if rows is not None:
         check_dtype(name, "rows", rows, (torch.int32,))
         check_shape(name, "rows", rows, (num_seqs,))
-        rows = rows.contiguous()
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
         raise ValueError(f"{name}: out must be {list(query.shape)} {query.dtype} with contiguous rows")
-    torch.ops.structgen_cpu.paged_decode_attention(
-        query, key_cache, value_cache, block_tables, context_lens, float(scale), out, rows
-    )
-    return out
 
 
 def paged_decode_attention_reference(
@@ -117,6 +139,20 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [tokens] int64, -1 = not stored
 ) -> None:
     """Store each token's key/value at its flat slot (`block * block_size + offset`), in the cache's dtype."""
+    try:
+        torch.ops.structgen_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    except RuntimeError as exc:
+        _check_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        raise ValueError(f"write_kv_cache: {_kernel_message(exc)}") from None
+
+
+def _check_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     name = "write_kv_cache"
     _check_cpu(name, key, value, key_cache, value_cache, slot_mapping)
     check_dtype(name, "key", key, KERNEL_DTYPES)
@@ -127,7 +163,8 @@ def write_kv_cache(
     check_shape(name, "slot_mapping", slot_mapping, (key.shape[0],))
     _check_rows(name, "key", key)
     _check_rows(name, "value", value)
-    torch.ops.structgen_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
+    if not slot_mapping.is_contiguous():
+        raise ValueError(f"{name}: slot_mapping must be contiguous")
 
 
 def write_kv_cache_reference(
@@ -150,7 +187,7 @@ def write_kv_cache_reference(
 def _check_norm(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     _check_cpu(name, x, weight)
     check_dtype(name, "input", x, KERNEL_DTYPES)
-    if x.dim() != 2 or weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(
             f"{name}: input [rows, hidden] and weight [hidden] of one dtype, got "
             f"{list(x.shape)} {x.dtype} and {list(weight.shape)} {weight.dtype}"
@@ -160,9 +197,12 @@ def _check_norm(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
     """`weight * norm(x)` (see `rms_norm_reference`)."""
-    _check_norm("rms_norm", x, weight)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    torch.ops.structgen_cpu.rms_norm(x, weight.contiguous(), float(eps), out)
+    try:
+        torch.ops.structgen_cpu.rms_norm(x, weight, float(eps), out)
+    except RuntimeError as exc:
+        _check_norm("rms_norm", x, weight)
+        raise ValueError(f"rms_norm: {_kernel_message(exc)}") from None
     return out
 
 
@@ -170,11 +210,14 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(norm(x + residual), x + residual)`; the sum is written into `residual` in place."""
-    _check_norm("fused_add_rms_norm", x, weight)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError("fused_add_rms_norm: residual must match the input")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    torch.ops.structgen_cpu.fused_add_rms_norm(x, residual, weight.contiguous(), float(eps), out)
+    try:
+        torch.ops.structgen_cpu.fused_add_rms_norm(x, residual, weight, float(eps), out)
+    except RuntimeError as exc:
+        _check_norm("fused_add_rms_norm", x, weight)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError("fused_add_rms_norm: residual must match the input") from None
+        raise ValueError(f"fused_add_rms_norm: {_kernel_message(exc)}") from None
     return out, residual
 
 
@@ -190,6 +233,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> 
 
 def rotary_embedding_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q `[tokens, heads, dim]` and k `[tokens, kv_heads, dim]` in place; cos/sin `[tokens, 1, dim/2]`."""
+    try:
+        torch.ops.structgen_cpu.rotary_embedding(query, key, cos, sin)
+    except RuntimeError as exc:
+        _check_rotary(query, key, cos, sin)
+        raise ValueError(f"rotary_embedding: {_kernel_message(exc)}") from None
+
+
+def _check_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     name = "rotary_embedding"
     _check_cpu(name, query, key, cos, sin)
     check_dtype(name, "query", query, KERNEL_DTYPES)
@@ -202,7 +253,8 @@ def rotary_embedding_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"{name}: cos/sin must hold [tokens, dim / 2], got {list(cos.shape)}")
     _check_rows(name, "query", query)
     _check_rows(name, "key", key)
-    torch.ops.structgen_cpu.rotary_embedding(query, key, cos.contiguous(), sin.contiguous())
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"{name}: cos and sin must be contiguous")
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -217,13 +269,16 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused `[rows, gate | up]` projection."""
     name = "silu_and_mul"
-    _check_cpu(name, x)
-    check_dtype(name, "input", x, KERNEL_DTYPES)
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"{name}: input must be [rows, 2 * width], got {list(x.shape)}")
-    _check_rows(name, "input", x)
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-    torch.ops.structgen_cpu.silu_and_mul(x, out)
+    try:
+        torch.ops.structgen_cpu.silu_and_mul(x, out)
+    except RuntimeError as exc:
+        _check_cpu(name, x)
+        check_dtype(name, "input", x, KERNEL_DTYPES)
+        _check_rows(name, "input", x)
+        raise ValueError(f"{name}: {_kernel_message(exc)}") from None
     return out
 
 

@@ -378,8 +378,24 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
                   block_tables.stride(1) == 1 && context_lens.is_contiguous() &&
                   block_tables.size(0) == context_lens.size(0),
               "paged_decode_attention: block_tables [seqs, max_blocks] and context_lens [seqs] must be int32");
-  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kInt && rows->numel() == context_lens.size(0)),
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
+              "paged_decode_attention: key and value caches must share a dtype");
+  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kInt && rows->numel() == context_lens.size(0) &&
+                                    rows->is_contiguous()),
               "paged_decode_attention: rows must be int32 [seqs]");
+  TORCH_CHECK(rows.has_value() || query.size(0) == context_lens.size(0),
+              "paged_decode_attention: one query row per sequence unless rows are given");
+  if (rows.has_value()) {
+    const int32_t* r = rows->data_ptr<int32_t>();
+    for (int64_t i = 0; i < rows->numel(); ++i) {
+      TORCH_CHECK(r[i] >= 0 && r[i] < query.size(0), "paged_decode_attention: a row index is out of range");
+    }
+  }
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < context_lens.size(0); ++i) {
+    TORCH_CHECK(lens[i] >= 0 && lens[i] <= block_tables.size(1) * key_cache.size(1),
+                "paged_decode_attention: a context length is negative or longer than its block table");
+  }
   if (query.scalar_type() == at::kFloat) {
     dispatch_cache<float>(query, key_cache, value_cache, block_tables, context_lens, scale, out, rows);
   } else if (query.scalar_type() == at::kBFloat16) {

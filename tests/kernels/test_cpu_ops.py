@@ -122,8 +122,20 @@ def test_paged_decode_attention_rejects_bad_calls() -> None:
         cpu_ops.paged_decode_attention(query.half(), key_cache, value_cache, **good)
     bad_table = tables.clone()
     bad_table[0, 0] = key_cache.shape[0]  # a block past the pool
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(ValueError, match="out of range"):
         cpu_ops.paged_decode_attention(query, key_cache, value_cache, **{**good, "block_tables": bad_table})
+    # What the kernel itself refuses before reading anything (the launcher checks nothing on the hot path).
+    with pytest.raises(ValueError, match="longer than its block table"):
+        too_long = torch.tensor([tables.shape[1] * 16 + 1], dtype=torch.int32)
+        cpu_ops.paged_decode_attention(query, key_cache, value_cache, **{**good, "context_lens": too_long})
+    with pytest.raises(ValueError, match="query rows for 1 sequences"):
+        cpu_ops.paged_decode_attention(torch.randn(2, 4, 64), key_cache, value_cache, **good)
+    with pytest.raises(ValueError, match="row index is out of range"):
+        cpu_ops.paged_decode_attention(
+            query, key_cache, value_cache, **good, rows=torch.tensor([1], dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_ops.paged_decode_attention(query, key_cache, value_cache.bfloat16(), **good)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +150,7 @@ def test_write_kv_cache_matches_reference_and_skips_padding(dtype: torch.dtype) 
     cpu_ops.write_kv_cache_reference(key, value, ref_k, ref_v, slots)
     assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
     assert int((key_cache != 0).flatten(2).any(-1).sum()) == 4  # the -1 row was not stored
-    with pytest.raises(RuntimeError, match="past the end"):
+    with pytest.raises(ValueError, match="past the end"):
         cpu_ops.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 96]))
 
 
