@@ -10,7 +10,6 @@ their pure-torch paths. The ops register as `torch.ops.structgen_cpu.*`; launche
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -111,6 +110,8 @@ def _build_key(compiler: str) -> str:
 
 def _build(compiler: str, library: Path) -> None:
     """Compile all sources into one shared library, atomically, under a lock other processes wait on."""
+    import fcntl  # POSIX only, and only needed to build: imported here so this module loads anywhere
+
     library.parent.mkdir(parents=True, exist_ok=True)
     with open(library.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key right now

@@ -1,14 +1,14 @@
 """Small building blocks of the decoder: RMSNorm (optionally fused with the residual add) and SwiGLU.
 
-On the CPU each goes through one native kernel (`structgen.kernels.cpu_ops`) that does the same arithmetic, with
-the same roundings, as the torch formulas here: those stay the path everywhere else."""
+On the CPU each goes through one native kernel (`structgen.kernels.cpu_ops`); everywhere else through that
+kernel's torch reference, the same arithmetic with the same roundings (HF Llama's)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from structgen.kernels.cpu_ops import rms_norm_reference, silu_and_mul_reference
 from structgen.models.cpu_kernels import native_ops
 
 
@@ -21,9 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_reference(x, self.weight, eps=self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = native_ops(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
@@ -50,5 +48,4 @@ class SiluAndMul(nn.Module):
         ops = native_ops(x) if x.dim() == 2 else None
         if ops is not None:
             return ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul_reference(x)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from structgen.kernels.cpu_ops import rotary_reference
+
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -109,6 +111,6 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `[num_tokens, heads, head_dim]` by position; same arithmetic as HF's `x*cos + rotate_half(x)*sin`."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """Rotate `[num_tokens, heads, head_dim]` by position; same arithmetic as HF's `x*cos + rotate_half(x)*sin`
+        (the native rotary kernel's reference)."""
+        return rotary_reference(x, cos, sin)
