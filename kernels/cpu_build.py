@@ -31,6 +31,7 @@ SOURCES = (
     "cpu_rotary.cpp",
     "cpu_activation.cpp",
     "cpu_cache_write.cpp",
+    "cpu_woq_linear.cpp",
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 

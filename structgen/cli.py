@@ -108,7 +108,6 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.engine.async_engine import AsyncEngine
-    from structgen.engine.llm_engine import LLMEngine
     from structgen.server import build_app
     from structgen.server.lifecycle import GracefulServer
     from structgen.server.limits import ServerLimits
@@ -142,7 +141,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine.from_config(config)  # built on its step thread: one OpenMP team
     api_key = args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
     app = build_app(
         engine,

@@ -285,7 +285,6 @@ def local_server(app: Any) -> Iterator[str]:
 def _engine(args: argparse.Namespace) -> Any:
     from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.engine.async_engine import AsyncEngine
-    from structgen.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model=args.model,
@@ -293,7 +292,7 @@ def _engine(args: argparse.Namespace) -> Any:
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
     )
-    return AsyncEngine(LLMEngine(config))
+    return AsyncEngine.from_config(config)
 
 
 def _print(name: str, report: LoadReport) -> None:

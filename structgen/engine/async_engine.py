@@ -4,6 +4,12 @@ gets an async iterator of `RequestOutput`s whose `delta_text` / `delta_token_ids
 The engine is not thread-safe, so only the step thread touches it: `generate` and `abort` post commands that the
 thread applies between steps, and outputs travel back to the event loop with `call_soon_threadsafe`. Leaving the
 iterator early (client disconnect, task cancelled, `break`) aborts the request and returns its blocks.
+
+`from_config` builds the engine on the step thread itself, which matters on the CPU: torch's OpenMP runtime keeps
+one team of worker threads per thread that has run a parallel op, and once the process holds more of them than
+it has cores, every worker stops spinning between ops and sleeps instead (libgomp's throttled wait). A model
+loaded on the main thread and stepped on another holds two teams, and SmolLM2's batch-32 decode step then takes
+about twice as long (60,000 context switches where one team makes 300).
 """
 
 from __future__ import annotations
@@ -35,21 +41,35 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """One request's queue of outputs, filled from the step thread, drained on the event loop."""
+    """One request's queue of outputs, filled from the step thread, drained on the event loop. Without
+    `every_step`, only the first output (the request runs) and the finished one are passed on."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("every_step", "loop", "queue", "started")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, every_step: bool = True) -> None:
         self.loop = loop
+        self.every_step = every_step
+        self.started = False
         self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+    def wants(self, output: RequestOutput) -> bool:
+        if output.finished or self.every_step or not self.started:
+            self.started = True
+            return True
+        return False
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None
+    ) -> None:
+        """Drive `engine`, or the engine `build()` returns, built on the step thread (raising what it raises)."""
+        if (engine is None) == (build is None):
+            raise ValueError("AsyncEngine takes an engine or a build function, not both or neither")
+        self.engine: LLMEngine = engine  # type: ignore[assignment]  # set by the step thread when built there
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, _Stream] = {}
@@ -58,12 +78,20 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         # `generate` calls whose add command has not run yet: failed at once if the step loop dies first.
         self._adding: dict[asyncio.Future[None], asyncio.AbstractEventLoop] = {}
-        self._thread = threading.Thread(target=self._run, name="structgen-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="structgen-engine", daemon=True)
         self._thread.start()
+        if build is not None:
+            self._built.wait()
+            if self._build_error is not None:
+                self._thread.join()
+                raise self._build_error
 
     @classmethod
     def from_config(cls, config: Any = None) -> AsyncEngine:
-        return cls(LLMEngine(config))
+        """An `LLMEngine(config)` built and stepped on the same thread (see the module's note)."""
+        return cls(build=lambda: LLMEngine(config))
 
     # -- public API ------------------------------------------------------------------------------------------------
 
@@ -74,8 +102,11 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         ready: Callable[[], bool] | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that produced tokens; the last has `finished=True`.
+        `stream=False`: only the first output and the finished one (the first says the request runs; skipping
+        the others spares the event loop a wake-up per step, whose thread would take a core from the forward's).
 
         Raises what `LLMEngine.add_request` raises (ValueError for a request that can never run) on the first
         iteration. Closing the iterator before the end aborts the request.
@@ -83,7 +114,7 @@ class AsyncEngine:
         self._check_alive()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop)
+        queue = _Stream(loop, every_step=stream)
         added: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -96,7 +127,7 @@ class AsyncEngine:
             except BaseException as error:  # reported to the caller, not to the step loop
                 loop.call_soon_threadsafe(_resolve, added, error)
                 return
-            self._streams[request_id] = stream
+            self._streams[request_id] = queue
             loop.call_soon_threadsafe(_resolve, added, None)
 
         with self._wakeup:
@@ -109,12 +140,12 @@ class AsyncEngine:
         try:
             await added
         except asyncio.CancelledError:
-            self._post(lambda: self._abort(request_id, stream))
+            self._post(lambda: self._abort(request_id, queue))
             raise
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await queue.queue.get()
                 if item is None:  # aborted
                     return
                 if isinstance(item, BaseException):
@@ -125,7 +156,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._post(lambda: self._abort(request_id, stream))
+                self._post(lambda: self._abort(request_id, queue))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends without a final output."""
@@ -182,7 +213,16 @@ class AsyncEngine:
         del self._streams[request_id]
         current.put(None)
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine] | None) -> None:
+        if build is not None:
+            try:
+                self.engine = build()
+            except BaseException as error:  # re-raised by the constructor, on the caller's thread
+                self._build_error = error
+                self._dead = error
+                return
+            finally:
+                self._built.set()
         engine = self.engine
         try:
             while True:
@@ -203,7 +243,8 @@ class AsyncEngine:
                         continue
                     if output.finished:
                         del self._streams[output.request_id]
-                    stream.put(output)
+                    if stream.wants(output):
+                        stream.put(output)
                 if engine.last_step_num_tokens == 0:  # everyone waits on a grammar: poll, don't spin
                     with self._wakeup:
                         if not self._commands and not self._stopped:

@@ -82,9 +82,11 @@ class LLMEngine:
             model = load_model(model_dir, dtype=config.dtype, device=self.device, tp_size=tp_size)
             if tp_size == 1:
                 from structgen.models.cpu_linear import attach_int4
+                from structgen.models.llama_flat import enable_flat_forward
                 from structgen.models.registry import gguf_source
 
                 attach_int4(model, quantization=config.quantization, gguf_path=gguf_source(config.model))
+                enable_flat_forward(model)  # after the kernels: it binds them
             if self.tp_group is not None:
                 self.tp_group.wait_ready()
             tokenizer = Tokenizer.from_dir(model_dir)

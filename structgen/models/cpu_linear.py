@@ -83,33 +83,44 @@ def prepare_cpu_linears(model: nn.Module) -> int:
     return count
 
 
-# Batches up to this many rows go through int4 weights when both are attached: on SmolLM2's shapes int4 is ~2x
-# faster at 1 row (decode reads the weights once per step, and int4 reads 4x fewer bytes), even at 4 rows, and
-# slower from 8 on, where the bf16 products amortize their reads over more rows.
+# Batches up to this many rows go through torch's int4 kernel when it is attached: on SmolLM2's shapes it is ~2x
+# faster than bf16 at 1 row (decode reads the weights once per step, and int4 reads 4x fewer bytes) and even at
+# 4 rows, and slower from 8 on, where the bf16 products amortize their reads over more rows.
 INT4_MAX_ROWS = 3
+# Up to this many rows the AMX kernel (the GGUF's blocks expanded in L1, `structgen.models.woq`) takes the batch
+# where it is attached: ~0.5x the bf16 time at 4-32 rows, even with bf16 from 48 on (BENCHMARKS.md).
+WOQ_MAX_ROWS = 32
 
 QUANTIZATION_CHOICES = ("auto", "int4", "none")
 
 
 @dataclass(slots=True)
-class SmallBatchInt4:
-    """Rows ≤ `max_rows` through the int4 weight, larger batches through the dense (bf16) one."""
+class QuantizedSmallBatches:
+    """Each batch to the fastest kernel for its row count: torch's int4 (<= `int4_rows`), the AMX one
+    (<= `woq_rows`), else the dense (bf16) one. A missing kernel passes its rows on to the next."""
 
-    int4: Callable[[torch.Tensor], torch.Tensor]
+    int4: Callable[[torch.Tensor], torch.Tensor] | None
+    woq: Callable[[torch.Tensor], torch.Tensor] | None
     dense: Callable[[torch.Tensor], torch.Tensor] | None  # None: F.linear on the layer's own weight
     weight: torch.Tensor
-    max_rows: int = INT4_MAX_ROWS
+    int4_rows: int = INT4_MAX_ROWS
+    woq_rows: int = WOQ_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.max_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.int4 is not None and rows <= self.int4_rows:
             return self.int4(x)
+        if self.woq is not None and rows <= self.woq_rows:
+            return self.woq(x)
         return self.dense(x) if self.dense is not None else torch.nn.functional.linear(x, self.weight)
 
 
 def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) -> int:
-    """Weight-only int4 for small batches, returning how many layers got it. `quantization`: "none"; "int4"
-    (the GGUF's own 4-bit blocks when the model came from one, else each weight quantized per group of 32);
-    "auto" (int4 only from a GGUF's own blocks, which loses nothing the file had). CPU, bf16, one rank only."""
+    """Weight-only 4-bit kernels for small batches, returning how many layers got one. `quantization`: "none";
+    "int4" (the GGUF's own 4-bit blocks when the model came from one, else each weight quantized per group of
+    32); "auto" (only a GGUF's own blocks, which loses nothing the file had). With AMX, batches of up to
+    `WOQ_MAX_ROWS` rows use the AMX kernel on the same blocks, and the GGUF's Q8_0 lm_head too. CPU, bf16, one
+    rank only."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
@@ -121,25 +132,37 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         raise ValueError("quantization='int4' needs the CPU, dtype bfloat16 and tensor_parallel_size 1")
     if quantization == "none" or not eligible:
         return 0
-    from structgen.models import int4
+    from structgen.models import int4, woq
 
     layers = _linears(model)
     dense = {name: module.kernel for name, module in layers}
     if gguf_path is not None:
-        attached = set(int4.attach_int4_kernels(model, int4.load_gguf_int4_weights(gguf_path, model.config)))
+        values = int4.load_gguf_int4_weights(gguf_path, model.config)
+        attached = set(int4.attach_int4_kernels(model, values))
         packed = {name: module.kernel for name, module in layers if name in attached}
+        amx = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
     elif quantization == "int4":
-        packed = {
-            name: int4.quantize_int4(module.weight.float()).pack()
+        quantized = {
+            name: int4.quantize_int4(module.weight.float())
             for name, module in layers
             if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
         }
+        packed = {name: v.pack() for name, v in quantized.items()}
+        amx = woq.build_woq_kernels(model, quantized, {}, by_module=True)
     else:
         return 0
     for name, module in layers:
-        if name in packed:
-            module.kernel = SmallBatchInt4(int4=packed[name], dense=dense[name], weight=module.weight)
-    logger.info("int4 weights for batches of <= %d rows on %d layers", INT4_MAX_ROWS, len(packed))
+        if name in packed or name in amx:
+            module.kernel = QuantizedSmallBatches(
+                int4=packed.get(name), woq=amx.get(name), dense=dense[name], weight=module.weight
+            )
+    logger.info(
+        "4-bit weights for batches of <= %d rows on %d layers; AMX kernels for <= %d rows on %d",
+        INT4_MAX_ROWS,
+        len(packed),
+        WOQ_MAX_ROWS,
+        len(amx),
+    )
     return len(packed)
 
 

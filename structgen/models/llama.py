@@ -8,7 +8,7 @@ step's `AttentionMetadata`. Module and parameter names mirror Hugging Face's, ex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -165,6 +165,8 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The same forward without module calls, on the CPU (`structgen.models.llama_flat`); set by the engine.
+        self.flat_forward: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -173,6 +175,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.flat_forward is not None:
+            return self.flat_forward(input_ids, positions, kv_caches, metadata)
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)  # once per step, shared by layers
         residual = None

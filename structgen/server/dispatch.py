@@ -48,7 +48,10 @@ async def dispatch(
     call = Call(ctx, request_id, request, ticket)
     try:
         # A client that leaves while its request still waits for a first token aborts it too.
-        started = await unless_disconnected(request, start(ctx, ticket, prompts, params, request_id))
+        # A plain answer needs no per-step outputs: only the first (it runs) and the finished one.
+        started = await unless_disconnected(
+            request, start(ctx, ticket, prompts, params, request_id, stream=events is not None)
+        )
         if events is not None:
             return sse(events(call, started), call)
         outputs, prompt_tokens = await unless_disconnected(request, collect(call, started, params.n))

@@ -58,20 +58,27 @@ class Call:
 
 
 async def start(
-    ctx: ServerContext, ticket: Ticket, prompts: list[Any], params: SamplingParams, request_id: str
+    ctx: ServerContext,
+    ticket: Ticket,
+    prompts: list[Any],
+    params: SamplingParams,
+    request_id: str,
+    *,
+    stream: bool = True,
 ) -> list[Started]:
-    """Add one engine request per prompt and wait for each one's first output; errors become 400 / 503."""
+    """Add one engine request per prompt and wait for each one's first output; errors become 400 / 503.
+    `stream=False` (a plain answer): after the first output, only the finished one comes."""
     started: list[Started] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             with ticket.queued(rid):
-                stream = ctx.engine.generate(prompt, params, request_id=rid)
-                started.append((stream, await _first(stream, ticket)))
+                stream_of = ctx.engine.generate(prompt, params, request_id=rid, stream=stream)
+                started.append((stream_of, await _first(stream_of, ticket)))
             raise_failed(started[-1][1].outputs)
     except BaseException:
-        for stream, _ in started:
-            await stream.aclose()  # type: ignore[attr-defined]
+        for opened, _ in started:
+            await opened.aclose()  # type: ignore[attr-defined]
         raise
     return started
 

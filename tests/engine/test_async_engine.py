@@ -152,3 +152,46 @@ def test_shutdown_ends_streams_and_refuses_new_requests(make_engine: EngineFacto
     assert not engine.engine.has_unfinished()
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(collect(engine, PROMPTS[0], params(0)))
+
+
+def test_an_engine_built_by_the_async_engine_is_built_on_its_step_thread(make_engine: EngineFactory) -> None:
+    import threading
+
+    built_on: list[threading.Thread] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return make_engine()
+
+    async_engine = AsyncEngine(build=build)
+    try:
+        assert built_on == [async_engine._thread]  # the thread that steps it: one OpenMP team in the process
+        outputs = asyncio.run(collect(async_engine, PROMPTS[0], params(0)))
+        assert outputs[-1].finished
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_failed_build_raises_on_the_callers_thread() -> None:
+    def build() -> LLMEngine:
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(build=build)
+    with pytest.raises(ValueError, match="an engine or a build function"):
+        AsyncEngine()
+
+
+def test_a_request_without_streaming_yields_its_first_and_finished_outputs(
+    engine: AsyncEngine, make_engine: EngineFactory
+) -> None:
+    async def main() -> list[RequestOutput]:
+        return [out async for out in engine.generate(PROMPTS[1], params(3, max_tokens=8), stream=False)]
+
+    outputs = asyncio.run(main())
+    assert len(outputs) == 2 and not outputs[0].finished and outputs[1].finished
+    streamed = asyncio.run(collect(engine, PROMPTS[1], params(3, max_tokens=8)))
+    assert len(streamed) == 8
+    assert outputs[0].outputs[0].token_ids == streamed[0].outputs[0].token_ids
+    assert outputs[1].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+    assert outputs[1].outputs[0].text == streamed[-1].outputs[0].text

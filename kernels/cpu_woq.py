@@ -1,0 +1,128 @@
+"""Launcher of the AMX weight-only quantized linear (`csrc/cpu_woq_linear.cpp`), its packing, and its reference.
+
+`pack_woq` turns 4-bit codes with a scale and minimum per 32 weights along K (GGUF Q4_1: w = d q + m) or 8-bit
+codes with a scale (Q8_0: w = d q) into the kernel's tile layout, scales in fp16 as the GGUF stores them;
+`woq_linear` computes `x @ W^T` in bf16 from it. The kernel expands each weight to bf16 (fp32 `d q + m`, rounded
+to nearest even), accumulates the products in fp32 and rounds the result to bf16: `woq_linear_reference` does
+the same arithmetic in torch (its fp32 sums run in another order, so results agree to fp32 rounding, then bf16).
+It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from structgen.kernels import cpu_build
+
+GROUP = 32  # weights per block along K: one AMX row of bf16
+STRIP = 32  # N must be a multiple of this (the kernel's strips are two 16-column tiles)
+BITS = (4, 8)
+
+
+def amx_available() -> bool:
+    """Whether the kernel can run here: the native library loaded and the CPU (and OS) grant AMX bf16 tiles."""
+    return cpu_build.load() and bool(torch.ops.structgen_cpu.amx_available())
+
+
+@dataclass(slots=True)
+class WoqWeight:
+    """A packed W [N, K]: calling it computes `x @ W^T` for bf16 x (see the module note)."""
+
+    qweight: torch.Tensor  # 4 bits: uint8 [N/16, K/32, 16, 16]; 8 bits: int8 [N/16, K/32, 16, 32]
+    scales: torch.Tensor  # fp16 [N/16, K/32, 16]
+    mins: torch.Tensor  # fp16 [N/16, K/32, 16] (4 bits); empty (8 bits)
+    bits: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0] * 16
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return woq_linear(x, self)
+
+
+def check_shape(n: int, k: int) -> str | None:
+    """Why a [N, K] weight cannot be packed, or None."""
+    if n % STRIP or k % GROUP:
+        return f"the AMX int linear needs N % {STRIP} == 0 and K % {GROUP} == 0, got [{n}, {k}]"
+    return None
+
+
+def pack_woq(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None, *, bits: int
+) -> WoqWeight:
+    """Codes q [N, K] (4 bits: uint8 0..15, w = d q + m; 8 bits: int8, w = d q) with d and m [N, K / 32]."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if q.dim() != 2:
+        raise ValueError(f"codes must be 2-D [N, K], got {list(q.shape)}")
+    n, k = q.shape
+    if (reason := check_shape(n, k)) is not None:
+        raise ValueError(reason)
+    want = torch.uint8 if bits == 4 else torch.int8
+    if q.dtype != want:
+        raise ValueError(f"{bits}-bit codes must be {want}, got {q.dtype}")
+    if bits == 4 and (mins is None or int(q.max()) > 15):
+        raise ValueError("4-bit codes need values 0..15 and a minimum per block")
+    nb, kb = n // 16, k // GROUP
+    # lane l of tile row r is W[16 nb + l // 2][32 kb + 2 r + l % 2]
+    lanes = q.reshape(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, kb, 16, 32)
+    # 4 bits: byte b of a row is lane b (low nibble) and lane b + 16 (high)
+    packed = (lanes[..., :16] | (lanes[..., 16:] << 4)) if bits == 4 else lanes
+    packed = packed.contiguous()
+
+    def per_tile(t: torch.Tensor, name: str) -> torch.Tensor:
+        if tuple(t.shape) != (n, kb):
+            raise ValueError(f"{name} must be [{n}, {kb}], got {list(t.shape)}")
+        return t.reshape(nb, 16, kb).permute(0, 2, 1).to(torch.float16).contiguous()
+
+    d = per_tile(scales, "scales")
+    m = per_tile(mins, "mins") if bits == 4 else torch.empty(0, dtype=torch.float16)  # type: ignore[arg-type]
+    return WoqWeight(packed, d, m, bits)
+
+
+def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T` for a contiguous bf16 x [M, K] (other shapes and dtypes are reshaped and cast)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        if x.shape[-1:] != (weight.in_features,):
+            raise ValueError(f"int linear [{weight.out_features}, {weight.in_features}] got {list(x.shape)}")
+        y = woq_linear(x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight)
+        return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
+    if out is None:
+        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+    try:
+        torch.ops.structgen_cpu.woq_linear(x, weight.qweight, weight.scales, weight.mins, weight.bits, out)
+    except RuntimeError as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise ValueError(message) from None
+    return out
+
+
+def dequantize(weight: WoqWeight) -> torch.Tensor:
+    """W [N, K] in bf16, each weight as the kernel expands it."""
+    nb, kb = weight.qweight.shape[:2]
+    if weight.bits == 4:
+        codes = torch.cat([weight.qweight & 0x0F, weight.qweight >> 4], dim=-1).float()
+    else:
+        codes = weight.qweight.float()
+    # [nb, kb, r, lane]: lane // 2 is the column within the tile
+    d = weight.scales.float().repeat_interleave(2, dim=-1)[:, :, None, :]
+    w = codes * d
+    if weight.bits == 4:
+        w = w + weight.mins.float().repeat_interleave(2, dim=-1)[:, :, None, :]
+    w = w.bfloat16().reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4)
+    return w.reshape(nb * 16, kb * GROUP)
+
+
+def woq_linear_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
+    """What the kernel computes: bf16 weights, fp32 sums, bf16 result."""
+    return (x.float() @ dequantize(weight).float().t()).to(torch.bfloat16)

@@ -1,0 +1,155 @@
+"""The Llama decoder's forward as one loop over prebound kernels: the CPU's single-stream fast path.
+
+A SmolLM2 decode step is ~300 small calls. Through `nn.Module` each pays `__call__`'s hook machinery and a
+`Module.__getattr__` lookup per submodule (cProfile: ~250 module calls and ~400 lookups a step, ~2 ms of a
+~15 ms single-stream step). `FlatLlamaForward` resolves every layer's weights, kernels and sizes once, then runs
+the same ops in the same order as `LlamaModel.forward` with the native CPU kernels, so its outputs are the
+module path's, bit for bit (tests/models/test_llama_flat.py).
+
+It applies on the CPU with the native kernels loaded, one rank, and a plain Llama layer (no q/k norm, no biases:
+Llama, Mistral, SmolLM2); `enable_flat_forward` says whether it was set. Build it after the layers' kernels are
+attached (`prepare_cpu_linears`, `attach_int4`): it keeps the kernels it found.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from structgen.attention.backend import AttentionMetadata, KVCache
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _FlatLayer:
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+    splits: list[int]  # q, k, v widths of the fused projection
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class FlatLlamaForward:
+    """`LlamaModel.forward(input_ids, positions, kv_caches, metadata)` without the module calls."""
+
+    def __init__(self, model: nn.Module, ops: ModuleType) -> None:
+        self.ops = ops
+        self.embed = model.embed_tokens.weight
+        self.rotary = model.rotary_emb
+        self.norm, self.norm_eps = model.norm.weight, model.norm.eps
+        self.attend = model.layers[0].self_attn.attn_backend.forward
+        self.layers = [_flat_layer(layer) for layer in model.layers]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        ops, attend = self.ops, self.attend
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual, hidden = hidden, ops.rms_norm(hidden, layer.input_norm, eps=layer.input_eps)
+            else:
+                hidden, residual = ops.fused_add_rms_norm(
+                    hidden, residual, layer.input_norm, eps=layer.input_eps
+                )
+            q, k, v = layer.qkv(hidden).split(layer.splits, dim=-1)
+            q = q.view(-1, layer.num_heads, layer.head_dim)
+            k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+            v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+            ops.rotary_embedding_(q, k, cos, sin)
+            out = attend(q, k, v, kv_cache, metadata, scale=layer.scale)
+            hidden = layer.o_proj(out.reshape(-1, layer.num_heads * layer.head_dim))
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps=layer.post_eps)
+            hidden = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps=self.norm_eps)
+        return hidden
+
+
+def _linear(module: nn.Module) -> Linear:
+    """What the layer's forward computes (no bias, one rank): its kernel, else `F.linear` on its weight."""
+    if module.kernel is not None:
+        return module.kernel
+    return functools.partial(F.linear, weight=module.weight)
+
+
+def _flat_layer(layer: nn.Module) -> _FlatLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _FlatLayer(
+        input_norm=layer.input_layernorm.weight,
+        input_eps=layer.input_layernorm.eps,
+        post_norm=layer.post_attention_layernorm.weight,
+        post_eps=layer.post_attention_layernorm.eps,
+        qkv=_linear(attn.qkv_proj),
+        o_proj=_linear(attn.o_proj),
+        gate_up=_linear(mlp.gate_up_proj),
+        down=_linear(mlp.down_proj),
+        splits=[attn.q_size, attn.kv_size, attn.kv_size],
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        scale=attn.scale,
+    )
+
+
+def flat_forward_blocker(model: nn.Module) -> str | None:
+    """Why `model` (a `LlamaForCausalLM`) cannot take the flat forward, or None."""
+    from structgen.models.cpu_kernels import native_ops
+    from structgen.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not the Llama decoder"
+    decoder = model.model
+    weight = decoder.embed_tokens.weight
+    if native_ops(weight) is None:
+        return "no native CPU kernels for this device and dtype"
+    if decoder.embed_tokens.tp_size != 1:
+        return "tensor parallel"
+    backend = decoder.layers[0].self_attn.attn_backend
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.attn_backend is not backend:
+            return "layers with different attention backends"
+        if attn.qk_norm:
+            return "q/k norm"
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(m.bias is not None for m in linears):
+            return "biased projections"
+        params = (
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            *(m.weight for m in linears),
+        )
+        if any(p.dtype != weight.dtype for p in params):
+            return "mixed dtypes"
+    return None
+
+
+def enable_flat_forward(model: nn.Module) -> bool:
+    """Make `model.model.forward` take the flat path when it applies; returns whether it does."""
+    if flat_forward_blocker(model) is not None:
+        return False
+    from structgen.kernels import cpu_ops
+
+    model.model.flat_forward = FlatLlamaForward(model.model, cpu_ops)
+    return True

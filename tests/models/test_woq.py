@@ -1,0 +1,120 @@
+"""AMX kernels from a GGUF's blocks: Q8_0 decoding, Q4_1 values in the kernel's form, attaching them to a model's
+fused layers, and the per-batch choice between torch's int4, the AMX kernel and bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from gguf_fixtures import random_hf_model, write_model_gguf
+from paged_harness import load_structgen
+from structgen.kernels import cpu_woq
+
+from structgen.models.cpu_linear import QuantizedSmallBatches
+from structgen.models.gguf import convert_gguf_to_hf
+from structgen.models.int4 import Int4Values, load_gguf_int4_weights
+from structgen.models.woq import build_woq_kernels, load_gguf_q8_0_weights, q8_0_codes, woq_from_int4
+
+Q = GGMLQuantizationType
+
+
+def test_q8_0_blocks_decode_to_what_gguf_dequantizes() -> None:
+    weight = np.random.default_rng(0).normal(size=(48, 96)).astype(np.float32)
+    raw = quantize(weight, Q.Q8_0)
+    codes, d = q8_0_codes(raw, (48, 96))
+    assert codes.dtype == torch.int8 and d.shape == (48, 3)
+    decoded = codes.float() * d.repeat_interleave(32, dim=1)
+    np.testing.assert_array_equal(decoded.numpy(), dequantize(raw, Q.Q8_0).reshape(48, 96))
+    with pytest.raises(ValueError, match="must be 4896 uint8 bytes"):
+        q8_0_codes(raw.reshape(-1)[:100], (48, 96))
+
+
+def test_int4_values_become_the_same_weights_in_the_kernels_form() -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = Int4Values(
+        torch.randint(0, 16, (64, 64), dtype=torch.uint8, generator=gen),
+        (torch.rand(64, 2, generator=gen) * 0.05).half().float(),  # fp16-exact, as a GGUF's d
+        torch.randn(64, 2, generator=gen) * 0.1,
+        32,
+    )
+    exact = (values.q.float() - 8) * values.scales.repeat_interleave(32, 1) + values.zeros.repeat_interleave(
+        32, 1
+    )
+    torch.testing.assert_close(
+        cpu_woq.dequantize(woq_from_int4(values)).float(), exact, rtol=2**-7, atol=1e-3
+    )
+
+
+def _qtype(hf_name: str, array: np.ndarray) -> Any:
+    return Q.Q8_0 if "embed_tokens" in hf_name else Q.Q4_1
+
+
+def test_gguf_blocks_attach_to_the_fused_layers(tmp_path: Path, vocab: Any) -> None:
+    if not cpu_woq.amx_available():
+        pytest.skip("the CPU has no AMX bf16 tiles: build_woq_kernels returns {} (checked below)")
+    hf_model = random_hf_model("llama", tie_word_embeddings=True)
+    gguf_path = write_model_gguf(tmp_path / "llama.gguf", hf_model, vocab, qtype=_qtype)
+    model = load_structgen(convert_gguf_to_hf(gguf_path, tmp_path / "hf"))  # gguf's fp32 dequantization
+    q8 = load_gguf_q8_0_weights(gguf_path)
+    assert set(q8) == {"model.embed_tokens.weight"}
+    kernels = build_woq_kernels(model, load_gguf_int4_weights(gguf_path, model.config), q8)
+    per_layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    # the tied head's 400 rows are not a multiple of 32: it keeps its other kernels
+    assert sorted(kernels) == sorted(f"model.layers.{i}.{name}" for i in range(2) for name in per_layer)
+    modules = dict(model.named_modules())
+    for name, kernel in kernels.items():
+        # read back through one-hot rows: the converter's weights in bf16 (a wrong fusion order or a missed
+        # q/k un-permutation would be off by whole weights)
+        weight = modules[name].weight.data.float()
+        read_back = kernel(torch.eye(weight.shape[1], dtype=torch.bfloat16)).t().float()
+        torch.testing.assert_close(
+            read_back, weight, rtol=2**-7, atol=2**-7 * weight.abs().max().item(), msg=name
+        )
+
+
+def test_q8_0_lm_head_is_the_embedding_in_bf16() -> None:
+    embedding = np.random.default_rng(1).normal(size=(64, 96)).astype(np.float32) * 0.05
+    codes, d = q8_0_codes(quantize(embedding, Q.Q8_0), (64, 96))
+    kernel = cpu_woq.pack_woq(codes, d, bits=8)
+    expected = torch.from_numpy(dequantize(quantize(embedding, Q.Q8_0), Q.Q8_0).reshape(64, 96)).bfloat16()
+    torch.testing.assert_close(cpu_woq.dequantize(kernel), expected, rtol=2**-7, atol=1e-6)
+
+
+class _Recorder:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(self.name)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("rows", "with_int4", "with_woq", "expected"),
+    [
+        (1, True, True, "int4"),
+        (3, True, True, "int4"),
+        (4, True, True, "woq"),
+        (32, True, True, "woq"),
+        (33, True, True, "dense"),
+        (1, False, True, "woq"),  # the lm_head: Q8_0 has no torch int4 kernel
+        (8, True, False, "dense"),  # no AMX
+    ],
+)
+def test_each_batch_goes_to_the_kernel_for_its_rows(
+    rows: int, with_int4: bool, with_woq: bool, expected: str
+) -> None:
+    calls: list[str] = []
+    dispatch = QuantizedSmallBatches(
+        int4=_Recorder("int4", calls) if with_int4 else None,
+        woq=_Recorder("woq", calls) if with_woq else None,
+        dense=_Recorder("dense", calls),
+        weight=torch.zeros(8, 8),
+    )
+    dispatch(torch.zeros(rows, 8))
+    assert calls == [expected]
