@@ -144,6 +144,13 @@ def test_metrics_follow_the_key_and_count_what_happened(app: Any, engine: AsyncE
 
 def test_429_when_the_waiting_queue_is_full() -> None:
     one_seq = tiny_engine(max_num_seqs=1)
+    step = one_seq.engine.step
+
+    def slow_step() -> Any:  # >= 5 ms a step: the long request holds its slot for 10 s, however fast tiny is
+        time.sleep(0.005)
+        return step()
+
+    one_seq.engine.step = slow_step  # type: ignore[method-assign]
     limits = ServerLimits(max_waiting_requests=1, max_request_bytes=LIMIT)
     app = build_app(one_seq, one_seq.engine.tokenizer, model_name="tiny", limits=limits)
     lifecycle = app.state.server.lifecycle
