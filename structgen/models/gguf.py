@@ -10,6 +10,7 @@ load does. Qwen2/Qwen3 GGUFs use the half-split (NEOX) rotary already and are no
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -60,12 +61,20 @@ _GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
 def read_gguf(gguf_path: str | Path) -> GGUFReader:
-    """Open a GGUF file (memory-mapped), with a clear error for a missing or unreadable file."""
-    from gguf import GGUFReader
-
+    """Open a GGUF file (memory-mapped), with a clear error for a missing or unreadable file. The reader of an
+    unchanged file is reused: parsing the header alone takes seconds for a 49k-token vocabulary, and loading the
+    default model reads it for its 4-bit and its 8-bit blocks."""
     path = Path(gguf_path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    return _open_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    from gguf import GGUFReader
+
     try:
         return GGUFReader(path)
     except (ValueError, OSError) as exc:
