@@ -118,3 +118,28 @@ def test_each_batch_goes_to_the_kernel_for_its_rows(
     )
     dispatch(torch.zeros(rows, 8))
     assert calls == [expected]
+
+
+def test_quantizing_an_hf_checkpoint_gives_both_kernels_the_same_weights() -> None:
+    from paged_harness import random_structgen_model
+
+    from structgen.models.cpu_linear import attach_int4, prepare_cpu_linears
+
+    model = random_structgen_model(dtype=torch.bfloat16)
+    prepare_cpu_linears(model)
+    attached = attach_int4(model, quantization="int4", gguf_path=None)
+    layers = [m for m in model.modules() if isinstance(getattr(m, "kernel", None), QuantizedSmallBatches)]
+    assert attached == len(layers) > 0
+    with_amx = [m for m in layers if m.kernel.woq is not None]
+    if not cpu_woq.amx_available():
+        assert not with_amx
+        return
+    assert with_amx
+    x = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for layer in with_amx:
+        if layer.weight.shape[1] != x.shape[1]:
+            continue
+        # the same 4-bit values: torch's kernel reads bf16 scale and zero, the AMX one fp16 d and m
+        amx, torch_int4 = layer.kernel.woq(x).float(), layer.kernel.int4(x).float()
+        scale = torch_int4.abs().amax() + 1e-3
+        assert ((amx - torch_int4).abs() / scale).max().item() < 2**-5
