@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from structgen.kernels import cpu_build
+from structgen.kernels.cpu_ops import _kernel_message
 
 GROUP = 32  # weights per block along K: one AMX row of bf16
 STRIP = 32  # N must be a multiple of this (the kernel's strips are two 16-column tiles)
@@ -102,8 +103,7 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
     try:
         torch.ops.structgen_cpu.woq_linear(x, weight.qweight, weight.scales, weight.mins, weight.bits, out)
     except RuntimeError as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise ValueError(message) from None
+        raise ValueError(_kernel_message(exc)) from None
     return out
 
 

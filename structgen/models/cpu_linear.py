@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from structgen.models.linear import kernel_layers
+
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN picks its blocked layout for; measured on SmolLM2's shapes, 32 serves batches 1..100 well.
@@ -70,7 +72,7 @@ def prepare_cpu_linears(model: nn.Module) -> int:
     """Attach `PackedBf16Linear` kernels to every bf16 CPU linear layer of `model` that has no kernel yet;
     returns how many. Layers keep their weights (the tied embedding reads the lm_head's)."""
     count = 0
-    for _, module in _linears(model):
+    for _, module in kernel_layers(model):
         weight = module.weight
         if module.kernel is not None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             continue
@@ -134,7 +136,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         return 0
     from structgen.models import int4, woq
 
-    layers = _linears(model)
+    layers = kernel_layers(model)
     dense = {name: module.kernel for name, module in layers}
     if gguf_path is not None:
         values = int4.load_gguf_int4_weights(gguf_path, model.config)
@@ -164,11 +166,3 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         len(amx),
     )
     return len(packed)
-
-
-def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every layer with a `kernel` hook: the linear layers and the lm_head."""
-    from structgen.models.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-
-    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]

@@ -26,7 +26,7 @@ then packed once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from structgen.models.gguf import (
     read_gguf,
     unpermute_rows,
 )
-from structgen.models.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from structgen.models.linear import ParallelLMHead, kernel_layers
 from structgen.models.llama import _STACKED_PARAMS  # listed in each fused layer's row order
 
 GROUP_SIZES = (32, 64, 128, 256)  # the group sizes the CPU kernel is compiled for
@@ -207,14 +207,16 @@ def quantize_int4(weight: torch.Tensor, *, group_size: int = 32) -> Int4Values:
     return Int4Values(q.clamp_(0, 15).to(torch.uint8).reshape(n, k), scales, zeros, group_size)
 
 
-def _q4_blocks(raw: np.ndarray, shape: tuple[int, int], block_bytes: int) -> torch.Tensor:
+def gguf_blocks(raw: np.ndarray, shape: tuple[int, int], block_bytes: int, *, kind: str) -> torch.Tensor:
+    """A GGUF tensor's data of 32-weight blocks (`kind` names the format in errors) as uint8
+    [N, K / 32, block_bytes]."""
     n, k = shape
     if k % _Q4_BLOCK:
-        raise ValueError(f"a GGUF Q4 tensor's row length must be a multiple of {_Q4_BLOCK}, got {k}")
+        raise ValueError(f"a GGUF {kind} tensor's row length must be a multiple of {_Q4_BLOCK}, got {k}")
     expected = n * (k // _Q4_BLOCK) * block_bytes
     if raw.dtype != np.uint8 or raw.size != expected:
         raise ValueError(
-            f"GGUF Q4 data for [{n}, {k}] must be {expected} uint8 bytes, got {raw.size} {raw.dtype}"
+            f"GGUF {kind} data for [{n}, {k}] must be {expected} uint8 bytes, got {raw.size} {raw.dtype}"
         )
     # A copy: GGUF data is a read-only memory map, which torch will not wrap.
     return torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, k // _Q4_BLOCK, block_bytes))
@@ -226,7 +228,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, blocks * _Q4_BLOCK)
 
 
-def _fp16(block_bytes: torch.Tensor) -> torch.Tensor:
+def fp16_field(block_bytes: torch.Tensor) -> torch.Tensor:
     return block_bytes.contiguous().view(torch.float16).squeeze(-1).float()
 
 
@@ -235,8 +237,8 @@ def int4_from_q4_1(
 ) -> Int4Values:
     """GGUF Q4_1 block data of a [N, K] weight (N rows of K / 32 blocks) as int4 values, rows un-permuted
     over `unpermute_heads` heads when given (llama q/k). Exact up to the bf16 rounding done by `pack`."""
-    blocks = _q4_blocks(raw, shape, _Q4_1_BLOCK_BYTES)
-    d, m = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    blocks = gguf_blocks(raw, shape, _Q4_1_BLOCK_BYTES, kind="Q4")
+    d, m = fp16_field(blocks[..., 0:2]), fp16_field(blocks[..., 2:4])
     # d * q + m == (q - 8) * d + (m + 8 d)
     values = Int4Values(_nibbles(blocks[..., 4:]), d, m + 8 * d, _Q4_BLOCK)
     return values if unpermute_heads is None else values.unpermute_rows(unpermute_heads)
@@ -246,8 +248,8 @@ def int4_from_q4_0(
     raw: np.ndarray, shape: tuple[int, int], *, unpermute_heads: int | None = None
 ) -> Int4Values:
     """GGUF Q4_0 (w = d * (q - 8)) as int4 values: scale d, zero 0."""
-    blocks = _q4_blocks(raw, shape, _Q4_0_BLOCK_BYTES)
-    d = _fp16(blocks[..., 0:2])
+    blocks = gguf_blocks(raw, shape, _Q4_0_BLOCK_BYTES, kind="Q4")
+    d = fp16_field(blocks[..., 0:2])
     values = Int4Values(_nibbles(blocks[..., 2:]), d, torch.zeros_like(d), _Q4_BLOCK)
     return values if unpermute_heads is None else values.unpermute_rows(unpermute_heads)
 
@@ -265,20 +267,25 @@ def load_gguf_int4_weights(gguf_path: str | Path, config: Mapping[str, Any] | An
     heads = {".q_proj.": _config_value(config, "num_attention_heads")}
     heads[".k_proj."] = _config_value(config, "num_key_value_heads")
     weights: dict[str, Int4Values] = {}
-    for tensor in reader.tensors:
-        decode = decoders.get(tensor.tensor_type)
-        if decode is None or len(tensor.shape) != 2 or _SKIPPED_TENSORS.match(tensor.name):
-            continue
-        k, n = (int(dim) for dim in tensor.shape.tolist())  # GGUF lists dims innermost first
-        name = hf_tensor_name(tensor.name)
+    for tensor, name, shape in gguf_block_tensors(reader, decoders):
         part = next((p for p in heads if p in name), None) if permute else None
         try:
-            weights[name] = decode(
-                np.asarray(tensor.data), (n, k), unpermute_heads=heads[part] if part else None
+            weights[name] = decoders[tensor.tensor_type](
+                np.asarray(tensor.data), shape, unpermute_heads=heads[part] if part else None
             )
         except ValueError as exc:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r}: {exc}") from exc
     return weights
+
+
+def gguf_block_tensors(reader: Any, types: Container[Any]) -> Iterator[tuple[Any, str, tuple[int, int]]]:
+    """(tensor, HF name, [N, K]) of each 2-D tensor of one of `types` (GGML quantization types) in a GGUF
+    reader, less those the converter skips."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in types or len(tensor.shape) != 2 or _SKIPPED_TENSORS.match(tensor.name):
+            continue
+        k, n = (int(dim) for dim in tensor.shape.tolist())  # GGUF lists dims innermost first
+        yield tensor, hf_tensor_name(tensor.name), (n, k)
 
 
 def _config_value(config: Mapping[str, Any] | Any, key: str) -> int:
@@ -288,11 +295,17 @@ def _config_value(config: Mapping[str, Any] | Any, key: str) -> int:
     return int(value)
 
 
-def _fused_parts(module_name: str) -> list[str]:
-    """HF weight names that make up a layer's weight, in the fused layer's row order."""
+def layer_sources(
+    model: nn.Module, module_name: str, module: nn.Module, available: Container[str]
+) -> list[str]:
+    """HF weight names that make up a layer's weight, in the fused layer's row order; for a tied lm_head whose
+    own weight `available` lacks, the embedding (a tied head multiplies by the embedding matrix)."""
     param = f"{module_name}.weight"
-    parts = [param.replace(fused, hf) for fused, hf, _ in _STACKED_PARAMS if fused in param]
-    return parts or [param]
+    parts = [param.replace(fused, hf) for fused, hf, _ in _STACKED_PARAMS if fused in param] or [param]
+    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if isinstance(module, ParallelLMHead) and tie and parts[0] not in available:
+        return ["model.embed_tokens.weight"]
+    return parts
 
 
 def attach_int4_kernels(model: nn.Module, weights: Mapping[str, Int4Values]) -> list[str]:
@@ -300,18 +313,13 @@ def attach_int4_kernels(model: nn.Module, weights: Mapping[str, Int4Values]) -> 
     covers entirely; returns the names of those layers. Layers whose (fused) N is not a multiple of 16, which
     the kernel cannot take (odd vocab sizes), keep `F.linear`. The float weights are left in place."""
     attached: list[str] = []
-    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for module_name, module in model.named_modules():
-        if not isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            continue
+    for module_name, module in kernel_layers(model):
         if module.tp_size != 1:
             raise ModelLoadError(
                 f"int4 kernels support tensor_parallel_size 1 only; {module_name} is split "
                 f"{module.tp_size} ways"
             )
-        names = _fused_parts(module_name)
-        if isinstance(module, ParallelLMHead) and names[0] not in weights and tie:
-            names = ["model.embed_tokens.weight"]  # a tied head multiplies by the embedding matrix
+        names = layer_sources(model, module_name, module, weights)
         if not all(name in weights for name in names):
             continue
         values = concat_int4([weights[name] for name in names])

@@ -296,3 +296,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
+
+
+def kernel_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every layer with a `kernel` hook: the linear layers and the lm_head."""
+    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]

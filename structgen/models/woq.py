@@ -19,30 +19,30 @@ import torch
 from torch import nn
 
 from structgen.errors import ModelLoadError
-from structgen.models.gguf import _SKIPPED_TENSORS, hf_tensor_name, read_gguf
-from structgen.models.int4 import Int4Values, _fused_parts, concat_int4
+from structgen.models.gguf import read_gguf
+from structgen.models.int4 import (
+    Int4Values,
+    concat_int4,
+    fp16_field,
+    gguf_block_tensors,
+    gguf_blocks,
+    layer_sources,
+)
+from structgen.models.linear import kernel_layers
 
 if TYPE_CHECKING:
     from structgen.kernels.cpu_woq import WoqWeight
 
 logger = logging.getLogger(__name__)
 
-_Q8_BLOCK = 32
 _Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
 
 
 def q8_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0 data of a [N, K] weight as (int8 codes [N, K], fp32 d [N, K / 32]): w = d q."""
-    n, k = shape
-    if k % _Q8_BLOCK:
-        raise ValueError(f"a GGUF Q8_0 tensor's row length must be a multiple of {_Q8_BLOCK}, got {k}")
-    expected = n * (k // _Q8_BLOCK) * _Q8_0_BLOCK_BYTES
-    if raw.dtype != np.uint8 or raw.size != expected:
-        raise ValueError(f"GGUF Q8_0 data for [{n}, {k}] must be {expected} uint8 bytes, got {raw.size}")
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, k // _Q8_BLOCK, _Q8_0_BLOCK_BYTES))
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-    return codes, d
+    blocks = gguf_blocks(raw, shape, _Q8_0_BLOCK_BYTES, kind="Q8_0")
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(shape)
+    return codes, fp16_field(blocks[..., 0:2])
 
 
 def load_gguf_q8_0_weights(gguf_path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -51,15 +51,11 @@ def load_gguf_q8_0_weights(gguf_path: str | Path) -> dict[str, tuple[torch.Tenso
     from gguf import GGMLQuantizationType
 
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for tensor in read_gguf(gguf_path).tensors:
-        if tensor.tensor_type != GGMLQuantizationType.Q8_0 or len(tensor.shape) != 2:
+    for tensor, name, shape in gguf_block_tensors(read_gguf(gguf_path), {GGMLQuantizationType.Q8_0}):
+        if ".q_proj." in name or ".k_proj." in name:
             continue
-        name = hf_tensor_name(tensor.name)
-        if _SKIPPED_TENSORS.match(tensor.name) or ".q_proj." in name or ".k_proj." in name:
-            continue
-        k, n = (int(dim) for dim in tensor.shape.tolist())
         try:
-            out[name] = q8_0_codes(np.asarray(tensor.data), (n, k))
+            out[name] = q8_0_codes(np.asarray(tensor.data), shape)
         except ValueError as exc:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r}: {exc}") from exc
     return out
@@ -85,22 +81,16 @@ def build_woq_kernels(
     and whose shape the kernel takes, by module name; {} without AMX. The weights are keyed by HF parameter
     name (as the GGUF loaders return them), or by module name with `by_module` (weights quantized here)."""
     from structgen.kernels import cpu_woq
-    from structgen.models.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     if not cpu_woq.amx_available():
         return {}
     kernels: dict[str, WoqWeight] = {}
-    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for module_name, module in model.named_modules():
-        if not isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            continue
+    available = {*int4_weights, *q8_weights}
+    for module_name, module in kernel_layers(model):
         n, k = module.weight.shape
         if cpu_woq.check_shape(n, k) is not None:
             continue
-        names = [module_name] if by_module else _fused_parts(module_name)
-        covered = names[0] in int4_weights or names[0] in q8_weights
-        if isinstance(module, ParallelLMHead) and tie and not covered and not by_module:
-            names = ["model.embed_tokens.weight"]
+        names = [module_name] if by_module else layer_sources(model, module_name, module, available)
         if all(name in int4_weights for name in names):
             kernels[module_name] = woq_from_int4(concat_int4([int4_weights[name] for name in names]))
         elif all(name in q8_weights for name in names):
