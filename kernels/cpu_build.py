@@ -32,6 +32,7 @@ SOURCES = (
     "cpu_activation.cpp",
     "cpu_cache_write.cpp",
     "cpu_woq_linear.cpp",
+    "cpu_woq_gemv.cpp",
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 

@@ -6,6 +6,11 @@ codes with a scale (Q8_0: w = d q) into the kernel's tile layout, scales in fp16
 to nearest even), accumulates the products in fp32 and rounds the result to bf16: `woq_linear_reference` does
 the same arithmetic in torch (its fp32 sums run in another order, so results agree to fp32 rounding, then bf16).
 It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
+
+`woq_gemv` (`csrc/cpu_woq_gemv.cpp`) computes the same product for a few rows (a single stream's decode) from the
+same packed weights with AVX512-VNNI integer dot products: x quantized to int16 per block of 32, the weights
+exact (d q + m in fp32, not rounded to bf16), fp32 sums, a bf16 result. `woq_gemv_reference` is that arithmetic
+in torch. It needs AVX512-VNNI (`gemv_available()`), not AMX: Ice Lake, Sapphire Rapids and Zen 4 have it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ BITS = (4, 8)
 def amx_available() -> bool:
     """Whether the kernel can run here: the native library loaded and the CPU (and OS) grant AMX bf16 tiles."""
     return cpu_build.load() and bool(torch.ops.structgen_cpu.amx_available())
+
+
+def gemv_available() -> bool:
+    """Whether `woq_gemv` can run here: the native library loaded and the CPU has AVX512-VNNI."""
+    return cpu_build.load() and bool(torch.ops.structgen_cpu.gemv_available())
 
 
 @dataclass(slots=True)
@@ -49,6 +59,10 @@ class WoqWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return woq_linear(x, self)
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` through the VNNI kernel (`woq_gemv`): the fast one for a few rows."""
+        return woq_gemv(x, self)
 
 
 def check_shape(n: int, k: int) -> str | None:
@@ -107,8 +121,25 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
     return out
 
 
-def dequantize(weight: WoqWeight) -> torch.Tensor:
-    """W [N, K] in bf16, each weight as the kernel expands it."""
+def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T` for a few rows of a contiguous bf16 x [M, K] through the VNNI kernel (other shapes and dtypes
+    are reshaped and cast). Any M works; the kernel is the fast one up to a handful of rows."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        if x.shape[-1:] != (weight.in_features,):
+            raise ValueError(f"int linear [{weight.out_features}, {weight.in_features}] got {list(x.shape)}")
+        y = woq_gemv(x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight)
+        return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
+    if out is None:
+        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+    try:
+        torch.ops.structgen_cpu.woq_gemv(x, weight.qweight, weight.scales, weight.mins, weight.bits, out)
+    except RuntimeError as exc:
+        raise ValueError(_kernel_message(exc)) from None
+    return out
+
+
+def dequantize(weight: WoqWeight, *, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W [N, K], each weight as the AMX kernel expands it (bf16), or in fp32 as the GEMV uses it."""
     nb, kb = weight.qweight.shape[:2]
     if weight.bits == 4:
         codes = torch.cat([weight.qweight & 0x0F, weight.qweight >> 4], dim=-1).float()
@@ -119,10 +150,31 @@ def dequantize(weight: WoqWeight) -> torch.Tensor:
     w = codes * d
     if weight.bits == 4:
         w = w + weight.mins.float().repeat_interleave(2, dim=-1)[:, :, None, :]
-    w = w.bfloat16().reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4)
+    w = w.to(dtype).reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4)
     return w.reshape(nb * 16, kb * GROUP)
 
 
 def woq_linear_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
     """What the kernel computes: bf16 weights, fp32 sums, bf16 result."""
     return (x.float() @ dequantize(weight).float().t()).to(torch.bfloat16)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the GEMV sees it: per block of 32, int16 codes of scale max|x| / 32767, back in fp32."""
+    blocks = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 32767.0)).reshape(x.shape)
+
+
+def woq_gemv_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
+    """What the GEMV computes: int16-quantized x (the Q4_1 minimum times the exact sum of x), fp32 weights and
+    sums, bf16 result."""
+    w = dequantize(weight, dtype=torch.float32)
+    codes_part = w
+    if weight.bits == 4:  # d q times the quantized x; m times the exact x
+        nb, kb = weight.qweight.shape[:2]
+        mins = weight.mins.float().permute(0, 2, 1).reshape(nb * 16, kb).repeat_interleave(GROUP, dim=1)
+        codes_part = w - mins
+        return (quantize_activations(x) @ codes_part.t() + x.float() @ mins.t()).to(torch.bfloat16)
+    return (quantize_activations(x) @ codes_part.t()).to(torch.bfloat16)

@@ -85,7 +85,11 @@ def prepare_cpu_linears(model: nn.Module) -> int:
     return count
 
 
-# Batches up to this many rows go through torch's int4 kernel when it is attached: on SmolLM2's shapes it is ~2x
+# Batches up to this many rows go through the VNNI GEMV on the GGUF's blocks where the CPU has AVX512-VNNI: on
+# SmolLM2's layers ~0.5x torch's int4 kernel's time at 1 row and ~0.8x AMX's at 4, slower than AMX from 5 rows on
+# (its products grow with the rows; AMX's tiles cost the same for 1-32 rows). BENCHMARKS.md, session 6.
+GEMV_MAX_ROWS = 4
+# Without the GEMV, batches up to this many rows go through torch's int4 kernel: on SmolLM2's shapes it is ~2x
 # faster than bf16 at 1 row (decode reads the weights once per step, and int4 reads 4x fewer bytes) and even at
 # 4 rows, and slower from 8 on, where the bf16 products amortize their reads over more rows.
 INT4_MAX_ROWS = 3
@@ -98,18 +102,23 @@ QUANTIZATION_CHOICES = ("auto", "int4", "none")
 
 @dataclass(slots=True)
 class QuantizedSmallBatches:
-    """Each batch to the fastest kernel for its row count: torch's int4 (<= `int4_rows`), the AMX one
-    (<= `woq_rows`), else the dense (bf16) one. A missing kernel passes its rows on to the next."""
+    """Each batch to the fastest kernel for its row count: the VNNI GEMV (<= `gemv_rows`), torch's int4
+    (<= `int4_rows`), the AMX one (<= `woq_rows`), else the dense (bf16) one. A missing kernel passes its rows
+    on to the next."""
 
+    gemv: Callable[[torch.Tensor], torch.Tensor] | None
     int4: Callable[[torch.Tensor], torch.Tensor] | None
     woq: Callable[[torch.Tensor], torch.Tensor] | None
     dense: Callable[[torch.Tensor], torch.Tensor] | None  # None: F.linear on the layer's own weight
     weight: torch.Tensor
+    gemv_rows: int = GEMV_MAX_ROWS
     int4_rows: int = INT4_MAX_ROWS
     woq_rows: int = WOQ_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.gemv is not None and 0 < rows <= self.gemv_rows:
+            return self.gemv(x)
         if self.int4 is not None and rows <= self.int4_rows:
             return self.int4(x)
         if self.woq is not None and rows <= self.woq_rows:
@@ -120,9 +129,10 @@ class QuantizedSmallBatches:
 def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) -> int:
     """Weight-only 4-bit kernels for small batches, returning how many layers got one. `quantization`: "none";
     "int4" (the GGUF's own 4-bit blocks when the model came from one, else each weight quantized per group of
-    32); "auto" (only a GGUF's own blocks, which loses nothing the file had). With AMX, batches of up to
-    `WOQ_MAX_ROWS` rows use the AMX kernel on the same blocks, and the GGUF's Q8_0 lm_head too. CPU, bf16, one
-    rank only."""
+    32); "auto" (only a GGUF's own blocks, which loses nothing the file had). The kernels read the same blocks
+    (and the GGUF's Q8_0 lm_head): the VNNI GEMV for up to `GEMV_MAX_ROWS` rows, AMX's for up to
+    `WOQ_MAX_ROWS`; torch's int4 kernel takes single streams on layers (or CPUs) the GEMV does not cover. CPU,
+    bf16, one rank only."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
@@ -134,35 +144,51 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         raise ValueError("quantization='int4' needs the CPU, dtype bfloat16 and tensor_parallel_size 1")
     if quantization == "none" or not eligible:
         return 0
+    from structgen.kernels import cpu_woq
     from structgen.models import int4, woq
 
     layers = kernel_layers(model)
     dense = {name: module.kernel for name, module in layers}
     if gguf_path is not None:
         values = int4.load_gguf_int4_weights(gguf_path, model.config)
-        attached = set(int4.attach_int4_kernels(model, values))
-        packed = {name: module.kernel for name, module in layers if name in attached}
-        amx = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
+        packed_woq = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
     elif quantization == "int4":
-        quantized = {
+        values = {
             name: int4.quantize_int4(module.weight.float())
             for name, module in layers
             if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
         }
-        packed = {name: v.pack() for name, v in quantized.items()}
-        amx = woq.build_woq_kernels(model, quantized, {}, by_module=True)
+        packed_woq = woq.build_woq_kernels(model, values, {}, by_module=True)
     else:
         return 0
+    with_gemv = set(packed_woq) if cpu_woq.gemv_available() else set()
+    # torch's int4 copy only where the GEMV does not take the single streams (one 4-bit copy in memory, not two)
+    if gguf_path is not None:
+        attached = set(int4.attach_int4_kernels(model, values, skip=with_gemv))
+        packed = {name: module.kernel for name, module in layers if name in attached}
+    else:
+        packed = {name: v.pack() for name, v in values.items() if name not in with_gemv}
+    amx = packed_woq if cpu_woq.amx_available() else {}
+    count = 0
     for name, module in layers:
-        if name in packed or name in amx:
+        if name in packed or name in packed_woq:
             module.kernel = QuantizedSmallBatches(
-                int4=packed.get(name), woq=amx.get(name), dense=dense[name], weight=module.weight
+                gemv=packed_woq[name].gemv if name in with_gemv else None,
+                int4=packed.get(name),
+                woq=amx.get(name),
+                dense=dense[name],
+                weight=module.weight,
             )
+            count += 1
     logger.info(
-        "4-bit weights for batches of <= %d rows on %d layers; AMX kernels for <= %d rows on %d",
+        "quantized kernels on %d layers: VNNI GEMV for <= %d rows on %d, torch int4 for <= %d on %d, "
+        "AMX for <= %d on %d",
+        count,
+        GEMV_MAX_ROWS,
+        len(with_gemv),
         INT4_MAX_ROWS,
         len(packed),
         WOQ_MAX_ROWS,
         len(amx),
     )
-    return len(packed)
+    return count

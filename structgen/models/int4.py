@@ -308,9 +308,11 @@ def layer_sources(
     return parts
 
 
-def attach_int4_kernels(model: nn.Module, weights: Mapping[str, Int4Values]) -> list[str]:
+def attach_int4_kernels(
+    model: nn.Module, weights: Mapping[str, Int4Values], *, skip: Container[str] = ()
+) -> list[str]:
     """Set `kernel` to a packed `Int4Weight` on every linear layer (and the lm_head) whose weight `weights`
-    covers entirely; returns the names of those layers. Layers whose (fused) N is not a multiple of 16, which
+    covers entirely, except the layers named in `skip`; returns the names of those layers. Layers whose (fused) N is not a multiple of 16, which
     the kernel cannot take (odd vocab sizes), keep `F.linear`. The float weights are left in place."""
     attached: list[str] = []
     for module_name, module in kernel_layers(model):
@@ -320,7 +322,7 @@ def attach_int4_kernels(model: nn.Module, weights: Mapping[str, Int4Values]) -> 
                 f"{module.tp_size} ways"
             )
         names = layer_sources(model, module_name, module, weights)
-        if not all(name in weights for name in names):
+        if module_name in skip or not all(name in weights for name in names):
             continue
         values = concat_int4([weights[name] for name in names])
         if values.shape[0] % ROW_ALIGNMENT:

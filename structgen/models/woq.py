@@ -1,10 +1,11 @@
-"""AMX weight-only quantized layers for decode batches (`kernels/cpu_woq.py`), from a GGUF's own blocks.
+"""Weight-only quantized layers for decode batches (`kernels/cpu_woq.py`), from a GGUF's own blocks.
 
 At 4-32 rows a step reads every weight once, and in bf16 that read is the step (SmolLM2: 270 MB). The AMX kernel
 reads the GGUF's blocks instead, Q4_1 for the layers (~5 bits a weight) and Q8_0 for the tied embedding / lm_head
 (~8.5 bits), and expands them to bf16 in L1: on this project's 2-core Xeon, SmolLM2's layers at 32 rows take
 ~0.5x the bf16 time, and its lm_head ~0.6x (BENCHMARKS.md). The expanded weights are the GGUF's values rounded
-to bf16, which is what the bf16 copy of a GGUF-born checkpoint holds too.
+to bf16, which is what the bf16 copy of a GGUF-born checkpoint holds too. The same packed weights feed the VNNI
+GEMV for 1-4 rows (a single stream), which reads them at ~2x the rate of torch's int4 kernel and AMX's tiles.
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ def build_woq_kernels(
     *,
     by_module: bool = False,
 ) -> dict[str, WoqWeight]:
-    """An AMX kernel for every linear layer (and the lm_head) that the GGUF's Q4 / Q8_0 blocks cover entirely
-    and whose shape the kernel takes, by module name; {} without AMX. The weights are keyed by HF parameter
+    """The kernels' packed weight for every linear layer (and the lm_head) that the GGUF's Q4 / Q8_0 blocks cover
+    entirely and whose shape the kernels take, by module name; {} where neither the AMX kernel nor the VNNI
+    GEMV can run. The weights are keyed by HF parameter
     name (as the GGUF loaders return them), or by module name with `by_module` (weights quantized here)."""
     from structgen.kernels import cpu_woq
 
-    if not cpu_woq.amx_available():
+    if not (cpu_woq.amx_available() or cpu_woq.gemv_available()):
         return {}
     kernels: dict[str, WoqWeight] = {}
     available = {*int4_weights, *q8_weights}

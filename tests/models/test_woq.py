@@ -95,22 +95,28 @@ class _Recorder:
 
 
 @pytest.mark.parametrize(
-    ("rows", "with_int4", "with_woq", "expected"),
+    ("rows", "with_gemv", "with_int4", "with_woq", "expected"),
     [
-        (1, True, True, "int4"),
-        (3, True, True, "int4"),
-        (4, True, True, "woq"),
-        (32, True, True, "woq"),
-        (33, True, True, "dense"),
-        (1, False, True, "woq"),  # the lm_head: Q8_0 has no torch int4 kernel
-        (8, True, False, "dense"),  # no AMX
+        (1, True, False, True, "gemv"),
+        (4, True, False, True, "gemv"),
+        (5, True, False, True, "woq"),
+        (32, True, False, True, "woq"),
+        (33, True, False, True, "dense"),
+        (1, False, True, True, "int4"),  # no AVX512-VNNI: torch's int4 kernel for single streams
+        (3, False, True, True, "int4"),
+        (4, False, True, True, "woq"),
+        (1, False, False, True, "woq"),
+        (3, True, False, False, "gemv"),  # VNNI without AMX (Ice Lake, Zen 4)
+        (8, True, False, False, "dense"),
+        (0, True, False, True, "woq"),  # an empty batch never reaches the GEMV
     ],
 )
 def test_each_batch_goes_to_the_kernel_for_its_rows(
-    rows: int, with_int4: bool, with_woq: bool, expected: str
+    rows: int, with_gemv: bool, with_int4: bool, with_woq: bool, expected: str
 ) -> None:
     calls: list[str] = []
     dispatch = QuantizedSmallBatches(
+        gemv=_Recorder("gemv", calls) if with_gemv else None,
         int4=_Recorder("int4", calls) if with_int4 else None,
         woq=_Recorder("woq", calls) if with_woq else None,
         dense=_Recorder("dense", calls),
@@ -120,9 +126,10 @@ def test_each_batch_goes_to_the_kernel_for_its_rows(
     assert calls == [expected]
 
 
-def test_quantizing_an_hf_checkpoint_gives_both_kernels_the_same_weights() -> None:
+def test_quantizing_an_hf_checkpoint_gives_every_kernel_the_same_weights() -> None:
     from paged_harness import random_structgen_model
 
+    from structgen.models import int4
     from structgen.models.cpu_linear import attach_int4, prepare_cpu_linears
 
     model = random_structgen_model(dtype=torch.bfloat16)
@@ -130,16 +137,20 @@ def test_quantizing_an_hf_checkpoint_gives_both_kernels_the_same_weights() -> No
     attached = attach_int4(model, quantization="int4", gguf_path=None)
     layers = [m for m in model.modules() if isinstance(getattr(m, "kernel", None), QuantizedSmallBatches)]
     assert attached == len(layers) > 0
-    with_amx = [m for m in layers if m.kernel.woq is not None]
-    if not cpu_woq.amx_available():
-        assert not with_amx
-        return
-    assert with_amx
+    gemv, amx = cpu_woq.gemv_available(), cpu_woq.amx_available()
+    for layer in layers:
+        kernel = layer.kernel
+        assert (kernel.gemv is not None) == gemv and (kernel.woq is not None) == amx
+        # one 4-bit copy: torch's int4 kernel only where the GEMV does not take the single streams
+        assert (kernel.int4 is not None) == (not gemv)
     x = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for layer in with_amx:
+    for layer in layers:
         if layer.weight.shape[1] != x.shape[1]:
             continue
-        # the same 4-bit values: torch's kernel reads bf16 scale and zero, the AMX one fp16 d and m
-        amx, torch_int4 = layer.kernel.woq(x).float(), layer.kernel.int4(x).float()
-        scale = torch_int4.abs().amax() + 1e-3
-        assert ((amx - torch_int4).abs() / scale).max().item() < 2**-5
+        # the same 4-bit values, quantized once: torch's kernel reads bf16 scale and zero, the others fp16 d, m
+        values = int4.quantize_int4(layer.weight.float())
+        exact = x.float() @ values.dequantize().float().t()
+        scale = exact.abs().amax() + 1e-3
+        for kernel in (layer.kernel.gemv, layer.kernel.int4, layer.kernel.woq):
+            if kernel is not None:
+                assert ((kernel(x[:4]).float() - exact[:4]).abs() / scale).max().item() < 2**-5
