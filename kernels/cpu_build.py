@@ -33,7 +33,9 @@ SOURCES = (
     "cpu_cache_write.cpp",
     "cpu_woq_linear.cpp",
     "cpu_woq_gemv.cpp",
+    "cpu_decode_step.cpp",
 )
+HEADERS = ("cpu_common.h", "cpu_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -104,7 +106,7 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
-    for name in (*SOURCES, "cpu_common.h"):
+    for name in (*SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join((compiler, *FLAGS, torch.__version__, _cpu_flags())).encode())
     return digest.hexdigest()[:16]

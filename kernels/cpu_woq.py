@@ -60,9 +60,15 @@ class WoqWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return woq_linear(x, self)
 
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W^T` through the VNNI kernel (`woq_gemv`): the fast one for a few rows."""
-        return woq_gemv(x, self)
+
+@dataclass(slots=True, frozen=True)
+class WoqGemv:
+    """A packed weight as a layer kernel through the VNNI GEMV (`woq_gemv`), the fast one for a few rows."""
+
+    weight: WoqWeight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return woq_gemv(x, self.weight)
 
 
 def check_shape(n: int, k: int) -> str | None:

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {
@@ -38,6 +39,8 @@ void swiglu(const at::Tensor& input, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
 // input [rows, 2 * width] (rows contiguous), out [rows, width]
 void silu_and_mul(const at::Tensor& input, at::Tensor out) {
   TORCH_CHECK(input.dim() == 2 && out.dim() == 2 && input.stride(1) == 1 && out.stride(1) == 1,
@@ -54,7 +57,6 @@ void silu_and_mul(const at::Tensor& input, at::Tensor out) {
   }
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

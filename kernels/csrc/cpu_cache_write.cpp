@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {
@@ -67,6 +68,8 @@ void dispatch_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
+}  // namespace
+
 // key/value [tokens, kv_heads, dim] (strided rows fine), caches [blocks, block_size, kv_heads, dim] contiguous,
 // slot_mapping [tokens] int64.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
@@ -90,7 +93,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   }
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

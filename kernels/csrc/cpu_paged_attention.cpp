@@ -19,6 +19,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {
@@ -362,6 +363,8 @@ void dispatch_cache(const at::Tensor& query, const at::Tensor& key_cache, const 
   }
 }
 
+}  // namespace
+
 // Shapes and dtypes are checked by the Python launcher (kernels/cpu_paged_attention.py); these checks only
 // keep a bad direct call from reading out of bounds.
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -405,7 +408,6 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   }
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

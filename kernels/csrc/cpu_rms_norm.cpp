@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {
@@ -81,6 +82,8 @@ void dispatch(const at::Tensor& input, F&& f) {
   }
 }
 
+}  // namespace
+
 // out = weight * norm(input)
 void rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, at::Tensor out) {
   check(input, weight, out, "rms_norm");
@@ -97,7 +100,6 @@ void fused_add_rms_norm(const at::Tensor& input, at::Tensor residual, const at::
   dispatch(input, [&](auto tag) { norm_rows<decltype(tag)>(input, &residual, weight, eps, out); });
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {
@@ -50,6 +51,8 @@ void rotate(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at:
   });
 }
 
+}  // namespace
+
 // query [tokens, heads, dim], key [tokens, kv_heads, dim] (strided views of the fused projection are fine),
 // cos/sin [tokens, dim / 2] contiguous (any leading broadcast dims of size 1 allowed), all one dtype.
 void rotary_embedding(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::Tensor& sin) {
@@ -72,7 +75,6 @@ void rotary_embedding(at::Tensor query, at::Tensor key, const at::Tensor& cos, c
   }
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

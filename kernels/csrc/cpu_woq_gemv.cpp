@@ -24,6 +24,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define STRUCTGEN_VNNI 1
 #else
@@ -258,6 +260,8 @@ VNNI_TARGET void woq_gemv_vnni(const uint16_t* x, int64_t M, int64_t K, const Pa
 
 #endif  // STRUCTGEN_VNNI
 
+}  // namespace
+
 bool gemv_available() {
 #if STRUCTGEN_VNNI
   return vnni_usable();
@@ -300,7 +304,6 @@ void woq_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
 #endif
 }
 
-}  // namespace
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {

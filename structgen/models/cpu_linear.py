@@ -173,7 +173,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     for name, module in layers:
         if name in packed or name in packed_woq:
             module.kernel = QuantizedSmallBatches(
-                gemv=packed_woq[name].gemv if name in with_gemv else None,
+                gemv=cpu_woq.WoqGemv(packed_woq[name]) if name in with_gemv else None,
                 int4=packed.get(name),
                 woq=amx.get(name),
                 dense=dense[name],

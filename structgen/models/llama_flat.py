@@ -54,6 +54,7 @@ class FlatLlamaForward:
         self.norm, self.norm_eps = model.norm.weight, model.norm.eps
         self.attend = model.layers[0].self_attn.attn_backend.forward
         self.layers = [_flat_layer(layer) for layer in model.layers]
+        self.native_decode = NativeDecodeStep.build(model)  # None where it does not apply
 
     def __call__(
         self,
@@ -65,6 +66,9 @@ class FlatLlamaForward:
         ops, attend = self.ops, self.attend
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        native = self.native_decode
+        if native is not None and metadata.is_decode and 0 < hidden.shape[0] <= native.max_rows:
+            return native(hidden, cos, sin, kv_caches, metadata)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -84,6 +88,89 @@ class FlatLlamaForward:
             hidden = layer.down(ops.silu_and_mul(layer.gate_up(hidden)))
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, eps=self.norm_eps)
         return hidden
+
+
+@dataclass(slots=True)
+class NativeDecodeStep:
+    """All layers of a decode step as one native call; `max_rows` rows at most (the GEMV's)."""
+
+    weights: list[torch.Tensor]  # per layer: 2 norms, then (qweight, scales, mins) of qkv, o, gate_up, down
+    bits: list[int]
+    eps: list[float]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    max_rows: int
+    _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @classmethod
+    def build(cls, model: nn.Module) -> NativeDecodeStep | None:
+        """For a decoder (`LlamaModel`) whose flat forward applies, or None: it needs the CPU attention backend,
+        bf16, and the VNNI GEMV on every projection."""
+        from structgen.attention.cpu_backend import CpuAttentionBackend
+        from structgen.kernels.cpu_woq import WoqGemv
+        from structgen.models.cpu_linear import QuantizedSmallBatches
+
+        first = model.layers[0].self_attn
+        if (
+            not isinstance(first.attn_backend, CpuAttentionBackend)
+            or model.embed_tokens.weight.dtype != torch.bfloat16
+        ):
+            return None
+        weights: list[torch.Tensor] = []
+        bits: list[int] = []
+        eps: list[float] = []
+        max_rows = 1 << 30
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+            if shape != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale):
+                return None
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            eps += [layer.input_layernorm.eps, layer.post_attention_layernorm.eps]
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                kernel = module.kernel
+                if not isinstance(kernel, QuantizedSmallBatches) or not isinstance(kernel.gemv, WoqGemv):
+                    return None
+                packed = kernel.gemv.weight
+                weights += [packed.qweight, packed.scales, packed.mins]
+                bits.append(packed.bits)
+                max_rows = min(max_rows, kernel.gemv_rows)
+        weights.append(model.norm.weight)
+        eps.append(model.norm.eps)
+        return cls(
+            weights, bits, eps, first.num_heads, first.num_kv_heads, first.head_dim, first.scale, max_rows
+        )
+
+    def __call__(
+        self,
+        embedded: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if self._caches is None or self._caches[0] is not kv_caches:  # the runner keeps one list for its life
+            self._caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        _, keys, values = self._caches
+        return torch.ops.structgen_cpu.decode_layers(
+            embedded,
+            cos,
+            sin,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.context_lens,
+            keys,
+            values,
+            self.weights,
+            self.bits,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            self.eps,
+        )
 
 
 def _linear(module: nn.Module) -> Linear:

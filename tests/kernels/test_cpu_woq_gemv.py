@@ -82,7 +82,7 @@ def test_kernel_agrees_with_the_amx_path_on_the_same_blocks() -> None:
 def test_kernel_takes_other_shapes_and_dtypes_through_the_launcher() -> None:
     weight = _weight(64, 64, 4)
     x = torch.randn(2, 1, 64)
-    out = weight.gemv(x)
+    out = cpu_woq.WoqGemv(weight)(x)
     assert out.shape == (2, 1, 64) and out.dtype == torch.float32
     expected = cpu_woq.woq_gemv_reference(x.reshape(2, 64).bfloat16(), weight).float().reshape(2, 1, 64)
     torch.testing.assert_close(out, expected, rtol=2**-7, atol=1e-3)

@@ -41,3 +41,45 @@ def test_flat_forward_is_not_set_where_it_does_not_apply(architecture: str, reas
     model = random_structgen_model(architecture)
     assert flat_forward_blocker(model) == reason
     assert not enable_flat_forward(model) and model.model.flat_forward is None
+
+
+def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
+    """Pure decode steps of <= 4 rows run all layers in one native call; the same kernels, the same bits."""
+    from structgen.kernels import cpu_woq
+
+    from structgen.models.cpu_linear import attach_int4, prepare_cpu_linears
+
+    model = random_structgen_model(dtype=torch.bfloat16)
+    prepare_cpu_linears(model)
+    attach_int4(model, quantization="int4", gguf_path=None)
+    assert enable_flat_forward(model)
+    flat = model.model.flat_forward
+    if not cpu_woq.gemv_available():
+        assert flat.native_decode is None  # no GEMV kernels, no native step
+        return
+    native = flat.native_decode
+    assert native is not None and native.max_rows == 4
+    calls: list[int] = []
+
+    class Counted:
+        max_rows = native.max_rows
+
+        def __call__(self, embedded: torch.Tensor, *args: object) -> torch.Tensor:
+            calls.append(embedded.shape[0])
+            return native(embedded, *args)  # type: ignore[arg-type]
+
+    flat.native_decode = None
+    expected = _logits(model)
+    flat.native_decode = Counted()  # type: ignore[assignment]
+    got = _logits(model)
+    assert calls == [3, 2]  # the two pure decode steps (3 and 2 rows); the mixed ones stay in Python
+    for step_expected, step_got in zip(expected, got, strict=True):
+        for seq, logits in step_expected.items():
+            assert torch.equal(step_got[seq], logits), f"sequence {seq} differs"
+
+
+def test_native_decode_step_needs_the_gemv_on_every_projection() -> None:
+    from structgen.models.llama_flat import NativeDecodeStep
+
+    model = random_structgen_model(dtype=torch.bfloat16)  # bf16 kernels only: no packed 4-bit weights
+    assert NativeDecodeStep.build(model.model) is None
