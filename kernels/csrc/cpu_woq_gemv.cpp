@@ -229,14 +229,14 @@ VNNI_TARGET void woq_gemv_vnni(const uint16_t* x, int64_t M, int64_t K, const Pa
                                int64_t N) {
   const int64_t kb_count = K / kGroup;
   static thread_local std::vector<int16_t> codes;
-  static thread_local std::vector<__m512i> pairs;
+  static thread_local std::vector<int32_t> pairs;  // as __m512i, 64-byte aligned below
   static thread_local std::vector<float> scales;
   codes.resize(M * K);
-  pairs.resize(w.bits == 4 ? M * kb_count * 8 : 0);
+  pairs.resize((w.bits == 4 ? M * kb_count * 8 * 16 : 0) + 16);
   scales.resize(2 * M * kb_count);
   // Pointers taken here: inside the parallel region each thread would see its own (empty) thread_local copies.
   int16_t* const xq = codes.data();
-  __m512i* const xp = pairs.data();
+  __m512i* const xp = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(pairs.data()) + 63) & ~uintptr_t(63));
   float* const dx = scales.data();
   float* const sx = scales.data() + M * kb_count;
   quantize_x(x, M, K, w.bits, xq, xp, dx, sx);
