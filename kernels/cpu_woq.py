@@ -112,33 +112,29 @@ def pack_woq(
 
 
 def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W^T` for a contiguous bf16 x [M, K] (other shapes and dtypes are reshaped and cast)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
-        if x.shape[-1:] != (weight.in_features,):
-            raise ValueError(f"int linear [{weight.out_features}, {weight.in_features}] got {list(x.shape)}")
-        y = woq_linear(x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight)
-        return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
-    if out is None:
-        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
-    try:
-        torch.ops.structgen_cpu.woq_linear(x, weight.qweight, weight.scales, weight.mins, weight.bits, out)
-    except RuntimeError as exc:
-        raise ValueError(_kernel_message(exc)) from None
-    return out
+    """`x @ W^T` for a contiguous bf16 x [M, K] through the AMX kernel (other shapes and dtypes are reshaped
+    and cast)."""
+    return _launch("woq_linear", x, weight, out)
 
 
 def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W^T` for a few rows of a contiguous bf16 x [M, K] through the VNNI kernel (other shapes and dtypes
     are reshaped and cast). Any M works; the kernel is the fast one up to a handful of rows."""
+    return _launch("woq_gemv", x, weight, out)
+
+
+def _launch(name: str, x: torch.Tensor, weight: WoqWeight, out: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
         if x.shape[-1:] != (weight.in_features,):
             raise ValueError(f"int linear [{weight.out_features}, {weight.in_features}] got {list(x.shape)}")
-        y = woq_gemv(x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight)
+        y = _launch(name, x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight, None)
         return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
     if out is None:
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
     try:
-        torch.ops.structgen_cpu.woq_gemv(x, weight.qweight, weight.scales, weight.mins, weight.bits, out)
+        getattr(torch.ops.structgen_cpu, name)(
+            x, weight.qweight, weight.scales, weight.mins, weight.bits, out
+        )
     except RuntimeError as exc:
         raise ValueError(_kernel_message(exc)) from None
     return out
