@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from structgen.commands import bench as bench_command
 from structgen.commands import generate as generate_command
 from structgen.commands import validate as validate_command
+from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +79,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="grammar backend for structured outputs",
     )
     serve.add_argument(
+        "--structured-recursion-depth",
+        type=int,
+        default=DEFAULT_RECURSION_DEPTH,
+        help="levels of each $ref cycle generated for recursive schemas no backend takes as they are "
+        f"(the 'restricted' path; 0 refuses them; default {DEFAULT_RECURSION_DEPTH})",
+    )
+    serve.add_argument(
         "--max-request-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -131,7 +139,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
-            structured=StructuredOutputConfig(backend=args.structured_backend),
+            structured=StructuredOutputConfig(
+                backend=args.structured_backend, recursion_depth=args.structured_recursion_depth
+            ),
         )
         limits = ServerLimits(
             max_request_bytes=args.max_request_bytes,

@@ -31,6 +31,7 @@ from structgen.structured.limits import SchemaLimits
 from structgen.structured.select import AUTO_ORDER, CompiledSpec, compile_spec
 from structgen.structured.spec import StructuredSpec
 from structgen.structured.tokenizer_info import TokenizerInfo
+from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
 
 CacheKey = tuple[str, tuple[str, str, str, str, int], str]
 FillFailures = list[tuple[int, Exception]]  # (bitmask row, the error its grammar raised)
@@ -53,6 +54,9 @@ class StructuredOutputConfig:
     max_abandoned_compiles: int = 4
     # Compile threads run at this nice level (Linux) so a long compile does not take CPU from the step loop.
     compile_nice: int = 10
+    # Levels of each `$ref` cycle a recursive schema's grammar generates when no backend takes the cycle as
+    # is (the "restricted" path, `unroll.py`); 0 refuses such schemas instead.
+    recursion_depth: int = DEFAULT_RECURSION_DEPTH
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKEND_NAMES:
@@ -63,6 +67,8 @@ class StructuredOutputConfig:
             raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
         if self.compile_workers < 1 or self.cache_size < 1 or self.max_validation_retries < 0:
             raise ValueError("compile_workers and cache_size must be >= 1, max_validation_retries >= 0")
+        if self.recursion_depth < 0:
+            raise ValueError(f"recursion_depth must be >= 0, got {self.recursion_depth}")
         if self.max_abandoned_compiles < 0 or not 0 <= self.compile_nice <= 19:
             raise ValueError("max_abandoned_compiles must be >= 0 and compile_nice in 0..19")
 
@@ -177,7 +183,7 @@ class StructuredOutputManager:
                 self.stats.refused_by_limits += 1
             raise
         backends = [self.backend(name) for name in self._order]
-        return compile_spec(spec, backends, time_limit_s=limit)
+        return compile_spec(spec, backends, time_limit_s=limit, recursion_depth=self.config.recursion_depth)
 
     def _finish(
         self, key: CacheKey, outer: Future[CompiledSpec], inner: Future[CompiledSpec], timer: threading.Timer

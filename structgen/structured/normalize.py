@@ -25,7 +25,7 @@ from structgen.structured.schema_walk import (
 )
 
 Draft = Literal["draft4", "draft6", "draft7", "draft2019-09", "draft2020-12"]
-ServingPath = Literal["exact", "rewritten", "relaxed"]
+ServingPath = Literal["exact", "rewritten", "restricted", "relaxed"]
 
 _DRAFT_MARKERS: tuple[tuple[str, Draft], ...] = (
     ("draft-03", "draft4"),
@@ -75,12 +75,13 @@ _ADJACENT = (
 
 @dataclass(frozen=True, slots=True)
 class SchemaChange:
-    """One change made to serve a schema: `kind` "rewrite" keeps its meaning, "relax" widens it (outputs are
-    then validated against the original)."""
+    """One change made to serve a schema: `kind` "rewrite" keeps its meaning, "restrict" narrows it (every
+    instance it allows is valid under the original: a recursion depth limit, `unroll.py`), "relax" widens it
+    (outputs are then validated against the original)."""
 
     path: str
     keyword: str
-    kind: Literal["rewrite", "relax"]
+    kind: Literal["rewrite", "restrict", "relax"]
     note: str
 
 
@@ -98,6 +99,8 @@ class NormalizedSchema:
 def serving_path(changes: tuple[SchemaChange, ...] | list[SchemaChange]) -> ServingPath:
     if any(c.kind == "relax" for c in changes):
         return "relaxed"
+    if any(c.kind == "restrict" for c in changes):
+        return "restricted"
     return "rewritten" if changes else "exact"
 
 

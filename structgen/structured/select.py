@@ -2,8 +2,9 @@
 
 For a JSON Schema: normalize (exact rewrites), then try each backend in preference order on the rewritten
 schema; a backend whose support table flags a keyword is skipped without compiling, because it would
-loosen it silently. If none can take the schema as is, relax (per backend, only the keywords it cannot
-enforce) and serve under validation. Other kinds go to the first backend that compiles them.
+loosen it silently. A schema with reference cycles that no backend takes is tried again unrolled to
+`recursion_depth` (`unroll.py`: the "restricted" path). If none can take it, relax (per backend, only the
+keywords it cannot enforce) and serve under validation. Other kinds go to the first backend that compiles them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from structgen.structured.relax import relax
 from structgen.structured.schema_walk import resolve_pointer
 from structgen.structured.spec import StructuredSpec
 from structgen.structured.support import Unsupported
+from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH, unroll_cycles
 
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 _MAX_RELAX_STEPS = 32
@@ -48,10 +50,15 @@ class CompiledSpec:
 
 
 def compile_spec(
-    spec: StructuredSpec, backends: Sequence[StructuredBackend], *, time_limit_s: float | None = None
+    spec: StructuredSpec,
+    backends: Sequence[StructuredBackend],
+    *,
+    time_limit_s: float | None = None,
+    recursion_depth: int = DEFAULT_RECURSION_DEPTH,
 ) -> CompiledSpec:
     """Compile with the first backend that can serve `spec` (see the module docstring). Past `time_limit_s`
-    no further attempt starts (one already running in a library cannot be interrupted)."""
+    no further attempt starts (one already running in a library cannot be interrupted). `recursion_depth` 0
+    turns the unrolling of reference cycles off."""
     start = time.perf_counter()
     deadline = None if time_limit_s is None else start + time_limit_s
     refusals: list[UnsupportedSchemaError] = []
@@ -82,42 +89,57 @@ def compile_spec(
     if normalized.schema is False:
         why = next((c.note for c in normalized.changes if c.path == "#"), "the schema is `false`")
         raise UnsupportedSchemaError(f"no JSON value satisfies this schema ({why})", path="#")
-    for backend in backends:
-        found = backend.find_unsupported(normalized.schema)
-        if found:
-            refusals.append(_as_error(found[0], backend.name))
-            continue
-        _check_deadline(deadline, time_limit_s, spec)
-        try:
-            return done(backend, backend.compile(spec.with_schema(normalized.schema)), normalized.changes)
-        except UnsupportedSchemaError as e:
-            refusals.append(e)
-
-    for backend in backends:
-        schema: Any = normalized.schema
-        changes = list(normalized.changes)
-        for _ in range(_MAX_RELAX_STEPS):
-            found = backend.find_unsupported(schema)
-            if not found:
-                _check_deadline(deadline, time_limit_s, spec)
-                try:
-                    return done(backend, backend.compile(spec.with_schema(schema)), changes)
-                except UnsupportedSchemaError as e:
-                    if e.keyword is None or e.path is None:
-                        refusals.append(e)
-                        break
-                    found = [Unsupported(e.keyword, e.path, str(e))]
-            blocker = next((f for f in found if not _validatable(f, schema)), None)
-            if blocker is not None:
-                refusals.append(_as_error(blocker, backend.name, validatable=False))
-                break
-            widened, relaxed = relax(schema, found)
-            if widened == schema:  # nothing left to widen there: this backend cannot serve the schema
+    candidates: list[tuple[Any, list[SchemaChange]]] = [(normalized.schema, list(normalized.changes))]
+    for candidate, changes in candidates:
+        for backend in backends:
+            found = backend.find_unsupported(candidate)
+            if found:
                 refusals.append(_as_error(found[0], backend.name))
-                break
-            schema = widened
-            changes.extend(relaxed)
+                continue
+            _check_deadline(deadline, time_limit_s, spec)
+            try:
+                return done(backend, backend.compile(spec.with_schema(candidate)), changes)
+            except UnsupportedSchemaError as e:
+                refusals.append(e)
+        if len(candidates) == 1:  # the unrolled forms are tried next, before relaxing anything
+            candidates += _unrolled(candidate, changes, recursion_depth)
+
+    for base, base_changes in candidates:
+        for backend in backends:
+            schema: Any = base
+            changes = list(base_changes)
+            for _ in range(_MAX_RELAX_STEPS):
+                found = backend.find_unsupported(schema)
+                if not found:
+                    _check_deadline(deadline, time_limit_s, spec)
+                    try:
+                        return done(backend, backend.compile(spec.with_schema(schema)), changes)
+                    except UnsupportedSchemaError as e:
+                        if e.keyword is None or e.path is None:
+                            refusals.append(e)
+                            break
+                        found = [Unsupported(e.keyword, e.path, str(e))]
+                blocker = next((f for f in found if not _validatable(f, schema)), None)
+                if blocker is not None:
+                    refusals.append(_as_error(blocker, backend.name, validatable=False))
+                    break
+                widened, relaxed = relax(schema, found)
+                if widened == schema:  # nothing left to widen there: this backend cannot serve the schema
+                    refusals.append(_as_error(found[0], backend.name))
+                    break
+                schema = widened
+                changes.extend(relaxed)
     raise _final_error(spec, refusals, backends)
+
+
+def _unrolled(schema: Any, changes: list[SchemaChange], depth: int) -> list[tuple[Any, list[SchemaChange]]]:
+    """`schema` with its reference cycles unrolled to `depth`, then shallower: a backend that refuses the deep
+    form as too large may take a shallower one (at most three forms, each a full compile attempt)."""
+    out = []
+    for level in dict.fromkeys((depth, depth // 2, 1)) if depth > 0 else ():
+        if level >= 1 and (unrolled := unroll_cycles(schema, depth=level)) is not None:
+            out.append((unrolled[0], [*changes, *unrolled[1]]))
+    return out
 
 
 def _validatable(found: Unsupported, schema: Any) -> bool:
