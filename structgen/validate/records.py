@@ -19,7 +19,7 @@ class SchemaRecord:
     subset: str
     status: SchemaStatus
     backend: str | None = None
-    path: str | None = None  # serving path: exact / rewritten / relaxed
+    path: str | None = None  # serving path: exact / rewritten / restricted / relaxed
     keyword: str | None = None  # the keyword no backend could enforce (unsupported)
     error: str | None = None
     compile_s: float | None = None
