@@ -41,7 +41,7 @@ class ServerMetrics:
         )
         self.structured_outputs = Counter(
             "structgen_structured_outputs",
-            "Finished structured outputs by serving path (exact / rewritten / relaxed) and validity",
+            "Finished structured outputs by serving path (exact / rewritten / restricted / relaxed) and validity",
             ["path", "valid"],
             registry=self.registry,
         )

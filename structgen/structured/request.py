@@ -118,7 +118,13 @@ class StructuredRequest:
         return {
             "backend": c.backend if c else None,
             "path": c.serving_path if c else None,
-            "changes": [f"{ch.kind} {ch.keyword} at {ch.path}" for ch in c.changes] if c else [],
+            # a restriction says what it leaves out (the recursion depth: outputs nest no deeper)
+            "changes": [
+                f"{ch.kind} {ch.keyword} at {ch.path}" + (f" ({ch.note})" if ch.kind == "restrict" else "")
+                for ch in c.changes
+            ]
+            if c
+            else [],
             "retries": self.retries,
             "forced_tokens": self.num_forced_tokens,
             "valid": None if self.validation is None else self.validation.valid,

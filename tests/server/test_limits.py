@@ -205,3 +205,31 @@ def test_echo_and_no_tool_calls(app: Any) -> None:
     assert_error(call(app, "POST", "/v1/completions", json=body | {"logprobs": 1}), 400, "echo with logprobs")
     message = call(app, "POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
     assert message["choices"][0]["message"].get("tool_calls") is None
+
+
+def test_a_recursive_schema_is_served_on_the_restricted_path(app: Any, engine: AsyncEngine) -> None:
+    """A `$ref` cycle with sibling keywords (llguidance refuses it as is) is served unrolled, not a 400."""
+    node = {
+        "type": "object",
+        "properties": {
+            "v": {"type": "integer"},
+            "next": {"$ref": "#/$defs/node", "type": "object", "required": ["v"]},
+        },
+        "required": ["v"],
+        "additionalProperties": False,
+    }
+    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    before = _scrape(app)
+    body = {
+        "messages": USER,
+        "max_tokens": 48,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "chain", "schema": schema}},
+    }
+    response = call(app, "POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    wait_idle(engine)
+    after = _scrape(app)
+    counted = {
+        k: after[k] - before.get(k, 0.0) for k in after if k.startswith("structgen_structured_outputs_total")
+    }
+    assert sum(v for k, v in counted.items() if "path=restricted" in k) == 1, counted

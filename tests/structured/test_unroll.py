@@ -158,3 +158,15 @@ def test_an_unrolled_schema_is_plain_json() -> None:
     unrolled, _ = unroll_cycles(ANYOF_ITEMS_CYCLE, depth=2)  # type: ignore[misc]
     assert json.loads(json.dumps(unrolled)) == unrolled
     assert "content__depth1" in unrolled["definitions"]
+
+
+def test_the_structured_report_names_the_path_and_the_depth(manager: StructuredOutputManager) -> None:
+    from structgen.structured.request import StructuredRequest
+
+    req = StructuredRequest(manager, StructuredOutputsParams(json=SIBLING_CYCLE))
+    req.future.result(timeout=60)
+    req.start()
+    report = req.report()
+    assert report["path"] == "restricted"
+    assert any(c.startswith("restrict $ref at #/$defs/node") and "depth 4" in c for c in report["changes"])
+    assert not req.holds_back_output  # a restriction needs no retries: its outputs stream as they come
