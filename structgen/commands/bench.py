@@ -22,6 +22,12 @@ BENCHMARKS = {
     "kernels": ("kernels", "Triton kernels vs their torch references"),
     "tools": ("tools", "tool calling"),
     "peers": ("peers", "structgen vs vLLM and llama.cpp servers over HTTP, same model, one at a time"),
+    "load": (
+        "load",
+        "200 concurrent HTTP clients with faults (disconnects, bad input): nothing lost or leaked",
+    ),
+    "reliability": ("reliability", "decode step time while pathological schemas arrive"),
+    "tp-scaling": ("tp_scaling", "tensor-parallel throughput and communication"),
 }
 
 EPILOG = "benchmarks:\n" + "\n".join(f"  {name:<11} {what}" for name, (_, what) in BENCHMARKS.items())
@@ -38,7 +44,7 @@ examples:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run a benchmark (engine, structured, mask-fill, coverage, sampler, server, kernels, tools)",
+        help=f"run a benchmark ({', '.join(BENCHMARKS)})",
         description="Run one of the benchmarks shipped in structgen.bench; arguments after NAME go to it.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
