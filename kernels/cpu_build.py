@@ -35,7 +35,7 @@ SOURCES = (
     "cpu_woq_gemv.cpp",
     "cpu_decode_step.cpp",
 )
-HEADERS = ("cpu_common.h", "cpu_kernels.h")
+HEADERS = ("cpu_common.h", "cpu_kernels.h", "cpu_woq_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 
 _lock = threading.Lock()

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "cpu_woq_checks.h"
 
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define STRUCTGEN_VNNI 1
@@ -273,26 +274,8 @@ bool gemv_available() {
 void woq_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
               int64_t bits, at::Tensor& out) {
   TORCH_CHECK(gemv_available(), "woq_gemv: this CPU (or kernel) cannot run AVX512-VNNI");
-  TORCH_CHECK(bits == 4 || bits == 8, "woq_gemv: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "woq_gemv: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(qweight.dim() == 4 && qweight.is_contiguous() && qweight.size(2) == 16 &&
-                  qweight.size(3) == (bits == 4 ? 16 : 32) &&
-                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "woq_gemv: qweight must be contiguous ", bits == 4 ? "uint8 [NB, KB, 16, 16]" : "int8 [NB, KB, 16, 32]");
-  const int64_t nb = qweight.size(0), kb = qweight.size(1);
-  const int64_t M = x.size(0), K = x.size(1), N = nb * 16;
-  TORCH_CHECK(K == kb * 32, "woq_gemv: x has K = ", K, ", the weight ", kb * 32);
-  auto check_scales = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == nb &&
-                    t.size(1) == kb && t.size(2) == 16,
-                "woq_gemv: ", name, " must be contiguous fp16 [NB, KB, 16]");
-  };
-  check_scales(scales, "scales");
-  if (bits == 4) check_scales(mins, "mins");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
-                  out.scalar_type() == at::kBFloat16,
-              "woq_gemv: out must be a contiguous bf16 [M, N]");
+  check_woq_args("woq_gemv", x, qweight, scales, mins, bits, out);
+  const int64_t kb = qweight.size(1), M = x.size(0), K = x.size(1), N = qweight.size(0) * 16;
   if (M == 0) return;
 #if STRUCTGEN_VNNI
   const PackedWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),

@@ -24,6 +24,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu_woq_checks.h"
+
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define STRUCTGEN_AMX 1
 #include <cpuid.h>
@@ -295,27 +297,9 @@ bool amx_available() {
 void woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
                 int64_t bits, at::Tensor& out) {
   TORCH_CHECK(amx_available(), "woq_linear: this CPU (or kernel) cannot run AMX bf16 tiles");
-  TORCH_CHECK(bits == 4 || bits == 8, "woq_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "woq_linear: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(qweight.dim() == 4 && qweight.is_contiguous() && qweight.size(2) == 16 &&
-                  qweight.size(3) == (bits == 4 ? 16 : 32) &&
-                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "woq_linear: qweight must be contiguous ", bits == 4 ? "uint8 [NB, KB, 16, 16]" : "int8 [NB, KB, 16, 32]");
-  const int64_t nb = qweight.size(0), kb = qweight.size(1);
-  const int64_t M = x.size(0), K = x.size(1), N = nb * 16;
-  TORCH_CHECK(K == kb * 32, "woq_linear: x has K = ", K, ", the weight ", kb * 32);
-  TORCH_CHECK(nb % 2 == 0, "woq_linear: N must be a multiple of 32, got ", N);
-  auto check_scales = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == nb &&
-                    t.size(1) == kb && t.size(2) == 16,
-                "woq_linear: ", name, " must be contiguous fp16 [NB, KB, 16]");
-  };
-  check_scales(scales, "scales");
-  if (bits == 4) check_scales(mins, "mins");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.is_contiguous() &&
-                  out.scalar_type() == at::kBFloat16,
-              "woq_linear: out must be a contiguous bf16 [M, N]");
+  check_woq_args("woq_linear", x, qweight, scales, mins, bits, out);
+  const int64_t kb = qweight.size(1), M = x.size(0), K = x.size(1), N = qweight.size(0) * 16;
+  TORCH_CHECK(N % 32 == 0, "woq_linear: N must be a multiple of 32, got ", N);
   if (M == 0) return;
 #if STRUCTGEN_AMX
   const Weights w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),

@@ -54,7 +54,7 @@ class FlatLlamaForward:
         self.norm, self.norm_eps = model.norm.weight, model.norm.eps
         self.attend = model.layers[0].self_attn.attn_backend.forward
         self.layers = [_flat_layer(layer) for layer in model.layers]
-        self.native_decode = NativeDecodeStep.build(model)  # None where it does not apply
+        self.native_decode = NativeDecodeStep.build(model, self.layers)  # None where it does not apply
 
     def __call__(
         self,
@@ -105,32 +105,31 @@ class NativeDecodeStep:
     _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @classmethod
-    def build(cls, model: nn.Module) -> NativeDecodeStep | None:
-        """For a decoder (`LlamaModel`) whose flat forward applies, or None: it needs the CPU attention backend,
-        bf16, and the VNNI GEMV on every projection."""
+    def build(cls, model: nn.Module, layers: list[_FlatLayer] | None = None) -> NativeDecodeStep | None:
+        """For a decoder (`LlamaModel`) whose flat forward applies (its `layers` as that forward resolved them),
+        or None: it needs the CPU attention backend, bf16, and the VNNI GEMV on every projection."""
         from structgen.attention.cpu_backend import CpuAttentionBackend
         from structgen.kernels.cpu_woq import WoqGemv
         from structgen.models.cpu_linear import QuantizedSmallBatches
 
-        first = model.layers[0].self_attn
         if (
-            not isinstance(first.attn_backend, CpuAttentionBackend)
+            not isinstance(model.layers[0].self_attn.attn_backend, CpuAttentionBackend)
             or model.embed_tokens.weight.dtype != torch.bfloat16
         ):
             return None
+        layers = layers if layers is not None else [_flat_layer(layer) for layer in model.layers]
+        first = layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scale)
         weights: list[torch.Tensor] = []
         bits: list[int] = []
         eps: list[float] = []
         max_rows = 1 << 30
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-            if shape != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale):
+        for layer in layers:
+            if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale) != shape:
                 return None
-            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            eps += [layer.input_layernorm.eps, layer.post_attention_layernorm.eps]
-            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                kernel = module.kernel
+            weights += [layer.input_norm, layer.post_norm]
+            eps += [layer.input_eps, layer.post_eps]
+            for kernel in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                 if not isinstance(kernel, QuantizedSmallBatches) or not isinstance(kernel.gemv, WoqGemv):
                     return None
                 packed = kernel.gemv.weight
@@ -139,9 +138,7 @@ class NativeDecodeStep:
                 max_rows = min(max_rows, kernel.gemv_rows)
         weights.append(model.norm.weight)
         eps.append(model.norm.eps)
-        return cls(
-            weights, bits, eps, first.num_heads, first.num_kv_heads, first.head_dim, first.scale, max_rows
-        )
+        return cls(weights, bits, eps, *shape, max_rows)
 
     def __call__(
         self,

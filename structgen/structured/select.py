@@ -89,8 +89,9 @@ def compile_spec(
     if normalized.schema is False:
         why = next((c.note for c in normalized.changes if c.path == "#"), "the schema is `false`")
         raise UnsupportedSchemaError(f"no JSON value satisfies this schema ({why})", path="#")
-    candidates: list[tuple[Any, list[SchemaChange]]] = [(normalized.schema, list(normalized.changes))]
-    for candidate, changes in candidates:
+
+    def exact(candidate: Any, changes: list[SchemaChange]) -> CompiledSpec | None:
+        """The first backend that takes `candidate` as it is, or None."""
         for backend in backends:
             found = backend.find_unsupported(candidate)
             if found:
@@ -101,8 +102,15 @@ def compile_spec(
                 return done(backend, backend.compile(spec.with_schema(candidate)), changes)
             except UnsupportedSchemaError as e:
                 refusals.append(e)
-        if len(candidates) == 1:  # the unrolled forms are tried next, before relaxing anything
-            candidates += _unrolled(candidate, changes, recursion_depth)
+        return None
+
+    candidates: list[tuple[Any, list[SchemaChange]]] = [(normalized.schema, list(normalized.changes))]
+    if (compiled := exact(*candidates[0])) is not None:
+        return compiled
+    candidates += _unrolled(*candidates[0], recursion_depth)  # tried next, before relaxing anything
+    for candidate, changes in candidates[1:]:
+        if (compiled := exact(candidate, changes)) is not None:
+            return compiled
 
     for base, base_changes in candidates:
         for backend in backends:
