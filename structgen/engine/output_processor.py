@@ -85,23 +85,53 @@ class OutputProcessor:
         return finished
 
     def _advance_grammar(self, seq: Sequence, token_id: int, *, incremental: bool) -> SequenceStatus | None:
-        """Feed the sampled token to the sequence's grammar, then append what the grammar forces next."""
+        """Feed the sampled token to the sequence's grammar, then append what follows it: the tokens the grammar
+        forces, the end of a value the model loops in, or, at the budget, the closing completion in its place."""
         structured = seq.structured
         try:
             # EOS ends the sequence (the mask allowed it only where the grammar can end): not fed to it.
-            if token_id not in self.eos_token_ids:
-                structured.accept([token_id])
-            status = self._append_text(seq, token_id, incremental=incremental)
-            if status is not None or not self.jump_forward:
-                return status
-            forced = structured.jump_forward()
+            if token_id in self.eos_token_ids:
+                return self._append_text(seq, token_id, incremental=incremental)
+            step = structured.advance(token_id, left=self._tokens_left(seq), jump_forward=self.jump_forward)
         except StructuredOutputError as error:
             # The mask allowed a token the matcher refuses: a bug in a backend. Fail this request loudly.
             logger.error("%s: %s", seq, error)
             self.num_grammar_errors += 1
             seq.error = str(error)
             return SequenceStatus.FINISHED_ERROR
-        return self.append_forced(seq, forced, incremental=incremental)
+        if step.kept:
+            # The grammar may end only after what follows the token, if anything does.
+            status = self._append_text(
+                seq, token_id, incremental=incremental, grammar_may_end=not step.tokens
+            )
+            if status is not None:
+                return status
+        else:
+            _drop_last_token(seq)
+        status = self.append_forced(seq, step.tokens, incremental=incremental)
+        if status is None and step.end:
+            status = self._end_here(seq, incremental=incremental)
+        return status
+
+    def _end_here(self, seq: Sequence, *, incremental: bool) -> SequenceStatus:
+        """Stop a closed structured output whose last token did not stop it itself (its text was complete
+        before the budget ran out, or the grammar would allow more, as after a number)."""
+        if not incremental:
+            seq.output_text = seq.detokenizer.push(seq.output_token_ids) + seq.detokenizer.flush()
+            return SequenceStatus.FINISHED_STOPPED
+        delta = seq.detokenizer.flush()
+        if seq.stop_checker is not None:
+            delta, _ = seq.stop_checker.push(delta)
+            delta += seq.stop_checker.flush()
+        seq.output_text += delta
+        return SequenceStatus.FINISHED_STOPPED
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """How many more tokens `seq` may take (after the ones it holds): `max_tokens` and the context."""
+        left = self.max_model_len - len(seq.token_ids)
+        if seq.max_tokens is not None:
+            left = min(left, seq.max_tokens - seq.num_output_tokens)
+        return left
 
     def fail(self, seq: Sequence, error: Exception) -> SequenceStatus:
         """End `seq` because its grammar or detokenization raised (the error is logged and reported)."""
@@ -251,6 +281,14 @@ class OutputProcessor:
         )
 
 
+def _drop_last_token(seq: Sequence) -> None:
+    """Take back the token just sampled (the closing completion goes in its place)."""
+    seq.token_ids.pop()
+    seq.output_token_ids.pop()
+    if seq.logprobs:
+        seq.cumulative_logprob -= seq.logprobs.pop().logprob
+
+
 def _held(seq: Sequence) -> CompletionOutput:
     """What a client has seen of a held-back sequence so far (nothing new)."""
     return CompletionOutput(
@@ -279,6 +317,8 @@ def _report(seq: Sequence) -> StructuredReport:
         retries=info["retries"],
         forced_tokens=info["forced_tokens"],
         changes=info["changes"],
+        closed_at_budget=info["closed_at_budget"],
+        loops_ended=info["loops_ended"],
     )
 
 

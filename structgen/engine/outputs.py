@@ -26,7 +26,10 @@ class StructuredReport:
 
     `valid` is None until the output finishes; `complete` is False when `max_tokens` cut it short (it is then
     not valid). `path` is the serving path (exact / rewritten / relaxed), `retries` the resamples a relaxed
-    grammar needed, `forced_tokens` the tokens appended by jump-forward.
+    grammar needed, `forced_tokens` the tokens appended by jump-forward. `closed_at_budget`: the tokens left
+    ran down to what the grammar needed to finish, so the output was steered onto its shortest valid completion
+    (it finished "stop" where it would have been cut); `loops_ended`: values the loop guard ended because the
+    model kept repeating the same tokens in them.
     """
 
     backend: str | None
@@ -37,6 +40,8 @@ class StructuredReport:
     retries: int = 0
     forced_tokens: int = 0
     changes: list[str] = field(default_factory=list)
+    closed_at_budget: bool = False
+    loops_ended: int = 0
 
 
 @dataclass(slots=True)

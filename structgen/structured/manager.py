@@ -28,6 +28,7 @@ from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBacke
 from structgen.structured.bitmask import allocate_token_bitmask
 from structgen.structured.errors import CompileBusyError, CompileTimeoutError, StructuredOutputError
 from structgen.structured.limits import SchemaLimits
+from structgen.structured.loop_guard import DEFAULT_MAX_NUMBER_DIGITS
 from structgen.structured.select import AUTO_ORDER, CompiledSpec, compile_spec
 from structgen.structured.spec import StructuredSpec
 from structgen.structured.tokenizer_info import TokenizerInfo
@@ -57,6 +58,14 @@ class StructuredOutputConfig:
     # Levels of each `$ref` cycle a recursive schema's grammar generates when no backend takes the cycle as
     # is (the "restricted" path, `unroll.py`); 0 refuses such schemas instead.
     recursion_depth: int = DEFAULT_RECURSION_DEPTH
+    # Defaults of the per-request switches (`StructuredOutputsParams.close_at_budget` / `.loop_guard`) for JSON
+    # Schema, json_object and tool-call outputs: finish the structure when the tokens left come down to what it
+    # needs (`closing.py`); end a string or array the model loops in (`loop_guard.py`). Regex, grammar and
+    # choice outputs get either only when the request asks.
+    close_at_budget: bool = True
+    loop_guard: bool = True
+    # The loop guard also ends a JSON number whose text runs past this many characters (0: no bound).
+    max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKEND_NAMES:
@@ -69,6 +78,8 @@ class StructuredOutputConfig:
             raise ValueError("compile_workers and cache_size must be >= 1, max_validation_retries >= 0")
         if self.recursion_depth < 0:
             raise ValueError(f"recursion_depth must be >= 0, got {self.recursion_depth}")
+        if self.max_number_digits < 0:
+            raise ValueError(f"max_number_digits must be >= 0, got {self.max_number_digits}")
         if self.max_abandoned_compiles < 0 or not 0 <= self.compile_nice <= 19:
             raise ValueError("max_abandoned_compiles must be >= 0 and compile_nice in 0..19")
 

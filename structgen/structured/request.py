@@ -22,10 +22,12 @@ import torch
 from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
+from structgen.structured.closing import ByteTokens
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
+from structgen.structured.finishing import Advance, Finisher, emits_json
 from structgen.structured.manager import FillFailures, StructuredOutputManager
 from structgen.structured.select import CompiledSpec
-from structgen.structured.spec import StructuredOutputsParams
+from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
 from structgen.structured.validate import ValidationResult, validate_output
 
 
@@ -40,6 +42,7 @@ class StructuredRequest:
         self.retries = 0
         self.num_forced_tokens = 0
         self.validation: ValidationResult | None = None
+        self.finisher = _finisher(manager, params, self.spec)
 
     def ready(self) -> bool:
         """The compile finished (successfully or not): the scheduler may call `start`."""
@@ -57,6 +60,8 @@ class StructuredRequest:
         child = copy.copy(self)
         if self.grammar is not None:
             child.grammar = self.grammar.clone()
+        if self.finisher is not None:
+            child.finisher = self.finisher.copy()
         return child
 
     def accept(self, token_ids: Sequence[int]) -> None:
@@ -66,6 +71,24 @@ class StructuredRequest:
                 f"the {self.compiled.backend if self.compiled else '?'} grammar rejected sampled tokens "
                 f"{list(token_ids)} although the mask allowed them"
             )
+        if self.finisher is not None:
+            self.finisher.entered(list(token_ids))
+
+    def advance(self, token_id: int, *, left: int | None, jump_forward: bool = True) -> Advance:
+        """Accept a sampled (non-EOS) token and say what follows it: forced tokens, the end of a looping value,
+        or, near the budget, the closing completion in its place (`finishing.Finisher`). `left`: the tokens
+        the sequence may still take after this one (None: unlimited)."""
+        if self.finisher is None:
+            self.accept([token_id])
+            return Advance(True, self.jump_forward() if jump_forward else [])
+        grammar = self.start()
+        step = self.finisher.advance(grammar, token_id, left=left, jump_forward=jump_forward)
+        self.num_forced_tokens += len(step.tokens)
+        return step
+
+    @property
+    def closed_at_budget(self) -> bool:
+        return self.finisher is not None and self.finisher.closed_at_budget
 
     def jump_forward(self) -> list[int]:
         """Forced tokens, already accepted by the grammar: append them to the sequence without sampling."""
@@ -77,7 +100,8 @@ class StructuredRequest:
         return forced
 
     def is_terminated(self) -> bool:
-        return self.grammar is not None and self.grammar.is_terminated()
+        """Nothing may follow: the grammar is complete, or the output was closed at its budget."""
+        return self.grammar is not None and (self.grammar.is_terminated() or self.closed_at_budget)
 
     def validate(self, text: str) -> ValidationResult:
         """Check the finished output against what was asked (the original schema, before any rewrite)."""
@@ -107,6 +131,8 @@ class StructuredRequest:
         self.retries += 1
         self.grammar.reset()
         self.validation = None
+        if self.finisher is not None:
+            self.finisher.reset()
 
     def failed_strict(self) -> bool:
         """Strict requests fail, instead of returning a flagged output, when the final output is invalid."""
@@ -129,6 +155,8 @@ class StructuredRequest:
             "forced_tokens": self.num_forced_tokens,
             "valid": None if self.validation is None else self.validation.valid,
             "error": None if self.validation is None else self.validation.error,
+            "closed_at_budget": self.closed_at_budget,
+            "loops_ended": self.finisher.loops_ended if self.finisher is not None else 0,
         }
 
 
@@ -263,6 +291,25 @@ class StructuredLogitsProcessor:
             if grammar is not None:
                 items.append((grammar, row))
         return items
+
+
+def _finisher(
+    manager: StructuredOutputManager, params: StructuredOutputsParams, spec: StructuredSpec
+) -> Finisher | None:
+    """The request's closing and loop guard, as the request asks or else by the engine's defaults."""
+    config = manager.config
+    json_output = emits_json(spec)
+    close = (
+        params.close_at_budget
+        if params.close_at_budget is not None
+        else json_output and config.close_at_budget
+    )
+    guard = params.loop_guard if params.loop_guard is not None else json_output and config.loop_guard
+    if not close and not guard:
+        return None
+    return Finisher(
+        ByteTokens.of(manager.tokenizer), close=close, guard=guard, max_number_digits=config.max_number_digits
+    )
 
 
 def _done() -> Future[FillFailures]:

@@ -72,6 +72,12 @@ class StructuredOutputsParams:
     `json` takes a JSON Schema as a dict, a JSON string, or a Pydantic model class. `grammar` takes Lark or
     EBNF/GBNF source (told apart by `::=`). `strict`: an output that still fails validation after the
     allowed retries fails the request instead of being returned flagged as invalid.
+
+    `close_at_budget`: when the tokens left (`max_tokens`, the context) come down to what the grammar needs to
+    finish, steer the output onto its shortest valid completion instead of letting `max_tokens` cut it.
+    `loop_guard`: end a string or array value the model is filling with the same tokens over and over. None
+    for either takes the engine's default (`StructuredOutputConfig`: on for JSON Schema, `json_object` and
+    tool calls; off for regex, grammar and choice unless asked for here).
     """
 
     json: Any = None
@@ -82,6 +88,8 @@ class StructuredOutputsParams:
     whitespace: WhitespaceMode = "compact"
     max_whitespace: int = DEFAULT_MAX_WHITESPACE
     strict: bool = False
+    close_at_budget: bool | None = None
+    loop_guard: bool | None = None
     _spec: StructuredSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +113,9 @@ class StructuredOutputsParams:
             raise InvalidSpecError(f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
         if not isinstance(self.max_whitespace, int) or not 1 <= self.max_whitespace <= 64:
             raise InvalidSpecError(f"max_whitespace must be an int in 1..64, got {self.max_whitespace!r}")
+        for name in ("close_at_budget", "loop_guard"):
+            if getattr(self, name) not in (None, True, False):
+                raise InvalidSpecError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "_spec", self._canonicalize())
 
     def to_spec(self) -> StructuredSpec:

@@ -1,0 +1,257 @@
+"""Finishing a structured output within its token budget: the shortest completion from a grammar state.
+
+`shortest_completion` walks the grammar itself from where the output stands: it takes the bytes the grammar
+forces (jump-forward tokens) and, where the grammar leaves a choice, the first allowed byte in an order that
+ends JSON values soonest: close the open string (`"`), object (`}`) or array (`]`), else the shortest value
+(`0`, `""`, `true`, `null`) or the separator towards the required members still missing (`,`). It never
+assumes a schema: the grammar decides at every byte, so what it returns is a valid completion of any backend's
+grammar (JSON Schema, `json_object`, the tool-call grammars with their embedded schemas), or None when the walk
+finds no end within its byte limit (a pattern that the order cannot satisfy, say). The walk's bytes are then
+tokenized canonically, which is what the budget is counted in.
+
+`BudgetCloser` decides, token by token, when a sequence must take that completion: it keeps the completion of
+the current state whenever the tokens left come near what it needs, and when a sampled token would leave less
+room than the completion from after it needs, the engine drops that token and appends the completion from
+before it instead (which was checked to fit). Far from the limit it looks again only as the slack halves, so
+outputs that finish on their own pay almost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from structgen.structured.backend import Grammar
+from structgen.structured.json_scan import NUMBER, STRING, JsonScanner
+from structgen.structured.tokenizer_info import TokenizerInfo
+
+# Bytes to try, in order, wherever the grammar allows more than one. Outside strings: what closes containers,
+# then the shortest values (`0`, `""`, `true`, `null`), the separator towards members still required, the rest.
+_OUTSIDE = b'}]0",123456789tnf-:[{.'
+# Inside strings (where `}` and `]` are content): the closing quote, then characters that satisfy the usual
+# patterns and formats soonest (dates, times, e-mail addresses, URIs, identifiers).
+_INSIDE = b'"a1@.-:/TZ_ 0'
+_ALNUM = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_PRINTABLE = bytes(range(32, 127))
+# Last, UTF-8 continuation bytes: the model may have stopped inside a character (a token ending mid-character).
+_CONTINUATION = bytes(range(0x80, 0xC0))
+OUTSIDE_ORDER = (
+    _OUTSIDE + bytes(b for b in _ALNUM + _PRINTABLE + b"\n\t" if b not in _OUTSIDE) + _CONTINUATION
+)
+INSIDE_ORDER = (
+    _INSIDE + bytes(b for b in _ALNUM + _PRINTABLE if b not in _INSIDE and b != ord("\\")) + _CONTINUATION
+)
+# Inside a string or number, this many fillers are tried for whether the value may end right after them.
+_LOOKAHEAD = 12
+# A walk gives up past this many bytes: no completion of a sane budget is longer.
+MAX_WALK_BYTES = 1024
+# Near the limit the completion is recomputed every token: within `2 * need + _WINDOW` tokens of it.
+_WINDOW = 16
+
+
+_BYTE_TOKENS: dict[str, ByteTokens] = {}
+
+
+class ByteTokens:
+    """The single-byte tokens of one tokenizer (what the walk steps with) and each token's bytes."""
+
+    def __init__(self, info: TokenizerInfo):
+        self.info = info
+        self.eos = info.eos_token_ids[0]
+        special = info.special_token_ids
+        by_byte: dict[int, int] = {}
+        for token_id, raw in enumerate(info.vocab):
+            if len(raw) == 1 and token_id not in special and raw[0] not in by_byte:
+                by_byte[raw[0]] = token_id
+        self.outside = [(b, by_byte[b]) for b in dict.fromkeys(OUTSIDE_ORDER) if b in by_byte]
+        self.inside = [(b, by_byte[b]) for b in dict.fromkeys(INSIDE_ORDER) if b in by_byte]
+        # What ends a string; what may follow (and so end) a number.
+        self.string_ends = frozenset(by_byte[b] for b in b'"' if b in by_byte)
+        self.number_ends = frozenset(by_byte[b] for b in b"}],\n " if b in by_byte)
+
+    @classmethod
+    def of(cls, info: TokenizerInfo) -> ByteTokens:
+        found = _BYTE_TOKENS.get(info.tokenizer_id)
+        if found is None or found.info is not info:
+            found = _BYTE_TOKENS[info.tokenizer_id] = cls(info)
+        return found
+
+    def text(self, token_ids: list[int]) -> bytes:
+        vocab = self.info.vocab
+        return b"".join(vocab[t] for t in token_ids)
+
+
+def can_end(grammar: Grammar, eos: int) -> bool:
+    """The output may end here: the grammar is complete or would take EOS now."""
+    return grammar.is_terminated() or grammar.validate_tokens((eos,)) == 1
+
+
+def walk(
+    grammar: Grammar,
+    tokens: ByteTokens,
+    scanner: JsonScanner,
+    *,
+    max_bytes: int = MAX_WALK_BYTES,
+    until_depth: int | None = None,
+    skip: bytes = b"",
+) -> tuple[list[int], bytes] | None:
+    """Walk from the grammar's state (`scanner`: where the output stands) to the first point where it may end,
+    or, given `until_depth`, where fewer values than that are open, by forced tokens and preferred bytes other
+    than `skip`. Returns (tokens, bytes) or None. The grammar and the scanner are left as they were."""
+    scan = scanner.copy()
+    base = scan.offset
+    accepted: list[int] = []
+    out = bytearray()
+    try:
+        while True:
+            if scan.depth < until_depth if until_depth is not None else can_end(grammar, tokens.eos):
+                return accepted, bytes(out)
+            if len(out) >= max_bytes:
+                return None
+            # Forced tokens may run past an `until_depth` point: a bounded walk goes byte by byte.
+            step = grammar.find_jump_forward() if until_depth is None else []
+            if not step:
+                choice = _choose(
+                    grammar, tokens, context=scan.innermost, walked=_value_bytes(out, scan, base), skip=skip
+                )
+                if choice is None:
+                    return None  # nothing printable is allowed here
+                step = [choice[1]]
+            if not grammar.accept_tokens(step):
+                return None
+            accepted += step
+            text = tokens.text(step)
+            out += text
+            scan.feed(text)
+    finally:
+        if accepted:
+            grammar.rollback(len(accepted))
+
+
+def _value_bytes(out: bytearray, scan: JsonScanner, base: int) -> bytes:
+    """The walked bytes of the value being written (the innermost one open)."""
+    start = scan.stack[-1][1] - base if scan.stack else 0
+    return bytes(out[max(start, 0) :])
+
+
+def _choose(
+    grammar: Grammar, tokens: ByteTokens, *, context: int | None, walked: bytes, skip: bytes
+) -> tuple[int, int] | None:
+    """(byte, token) to take next. Outside strings and numbers: the first allowed in order. Inside a string or
+    a number (`context`), where fillers may go on forever: what ends it (the quote; a closer or comma), else a
+    filler after which it may end, else the least used filler (`walked`: the value's bytes walked so far)."""
+    if context == STRING:
+        order, ends = tokens.inside, tokens.string_ends
+    elif context == NUMBER:
+        order, ends = tokens.outside, tokens.number_ends
+    else:
+        for byte, token in tokens.outside:
+            if byte not in skip and grammar.validate_tokens((token,)) == 1:
+                return byte, token
+        return None
+    allowed: list[tuple[int, int]] = []
+    for byte, token in order:
+        if byte in skip or grammar.validate_tokens((token,)) != 1:
+            continue
+        if token in ends:
+            return byte, token
+        allowed.append((byte, token))
+    if not allowed:
+        return None
+    for byte, token in allowed[:_LOOKAHEAD]:
+        if grammar.accept_tokens((token,)):
+            may_end = any(grammar.validate_tokens((end,)) == 1 for end in ends)
+            grammar.rollback(1)
+            if may_end:
+                return byte, token
+    # No filler ends it next: the least used so far (the first in order among those), so none loops forever.
+    return min(allowed, key=lambda choice: walked.count(choice[0]))
+
+
+Plan = tuple[int, ...]  # the tokens of a completion
+
+
+def canonical(grammar: Grammar, tokens: ByteTokens, walked: list[int], text: bytes) -> Plan:
+    """The walked bytes as the tokenizer writes them (usually far fewer tokens), if the grammar takes that
+    tokenization; else the walk's own tokens."""
+    try:
+        ids = tokens.info.encode(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        return tuple(walked)
+    if len(ids) < len(walked) and grammar.validate_tokens(ids) == len(ids):
+        return tuple(ids)
+    return tuple(walked)
+
+
+def shortest_completion(
+    grammar: Grammar, tokens: ByteTokens, scanner: JsonScanner, *, max_bytes: int = MAX_WALK_BYTES
+) -> Plan | None:
+    """The tokens of the completion that ends the output soonest from the grammar's state (`scanner`: where the
+    output stands), or None if the walk finds none."""
+    found = walk(grammar, tokens, scanner, max_bytes=max_bytes)
+    if found is None:
+        return None
+    walked, text = found
+    return canonical(grammar, tokens, walked, text)
+
+
+class BudgetCloser:
+    """Per sequence: keeps the completion of the current grammar state while the budget is near.
+
+    The engine calls `step(grammar, left, appended)` after each sampled token (with whatever was forced after
+    it) has entered the grammar, with the tokens still allowed after them. It returns False when the output can
+    no longer be shown to finish within `left`; `fallback` is then the completion from just before that token,
+    which fit: the engine rolls the token back and appends the fallback instead. With no fallback (the limit
+    was never reachable, or the state before was not checked) the output goes on and `max_tokens` cuts it as
+    it always did.
+    """
+
+    __slots__ = ("_backoff", "_next_check", "fallback", "need", "plan", "tokens")
+
+    def __init__(self, tokens: ByteTokens):
+        self.tokens = tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.plan: Plan | None = None  # the completion of the current state, when it was computed and fits
+        self.fallback: Plan | None = None  # the completion of the state before the last step, if it fit
+        self.need: int | None = None  # tokens of the last completion computed
+        self._next_check = 1 << 62  # compute once the tokens left fall to this (the first step: at once)
+        self._backoff = 0
+
+    def copy(self) -> BudgetCloser:
+        twin = BudgetCloser(self.tokens)
+        twin.plan, twin.fallback, twin.need = self.plan, self.fallback, self.need
+        twin._next_check, twin._backoff = self._next_check, self._backoff
+        return twin
+
+    def step(self, grammar: Grammar, scanner: JsonScanner, left: int, appended: Sequence[int]) -> bool:
+        """False when the engine should take `fallback` in place of `appended` (see the class)."""
+        previous, self.plan = self.plan, None
+        self.fallback = previous
+        n = len(appended)
+        if previous is not None and previous[:n] == tuple(appended):
+            # The model is writing the completion itself: the rest of it still fits.
+            self.plan = previous[n:]
+            self.need = len(self.plan)
+            return True
+        if left > self._next_check:
+            return True
+        plan = shortest_completion(
+            grammar, self.tokens, scanner, max_bytes=min(MAX_WALK_BYTES, 16 * max(left, 0) + 16)
+        )
+        if plan is None:
+            # No end found within reach: look again after a while, not at every token. While a fallback
+            # exists the output cannot be shown to finish from here, so it is taken.
+            self._backoff = min(64, 2 * self._backoff + 4)
+            self._next_check = left - self._backoff
+            return previous is None
+        self._backoff = 0
+        self.need = need = len(plan)
+        if need > left:
+            self._next_check = left  # keep looking: the model may close things itself
+            return previous is None
+        self.plan = plan
+        slack = left - need
+        # At every token near the limit; farther away, again once half the slack is gone.
+        self._next_check = left if slack <= need + _WINDOW else max(need + slack // 2, 2 * need + _WINDOW)
+        return True

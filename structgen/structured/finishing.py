@@ -1,0 +1,117 @@
+"""Making a structured output finish: budget-aware closing and the loop guard, around one request's grammar.
+
+`Finisher.advance` takes each sampled token into the grammar and says what the engine appends after it: the
+tokens the grammar forces (jump-forward), the end of a value the model loops in (`loop_guard.py`), or, when the
+tokens left no longer cover what the output needs to finish from after that token, the shortest completion from
+before it in its place (`closing.py`), which ends the output. Both are on by default for JSON outputs (JSON
+Schema, `json_object`, and grammars that embed a JSON Schema, which is what tool calls are) and may be asked
+for on any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from structgen.structured.backend import Grammar
+from structgen.structured.closing import BudgetCloser, ByteTokens
+from structgen.structured.json_scan import JsonScanner
+from structgen.structured.loop_guard import LoopGuard
+from structgen.structured.spec import StructuredSpec
+
+
+@dataclass(slots=True)
+class Advance:
+    """What follows a sampled token. `kept` False: drop the sampled token and append `tokens` (the closing
+    completion) instead. `end`: the output is complete after `tokens` and must stop there."""
+
+    kept: bool
+    tokens: list[int] = field(default_factory=list)
+    end: bool = False
+
+
+def emits_json(spec: StructuredSpec) -> bool:
+    """Outputs that are JSON, or hold JSON values: where closing and the loop guard are on by default."""
+    return spec.kind in ("json_schema", "json_object") or (spec.kind == "grammar" and "%json" in spec.text)
+
+
+class Finisher:
+    """Per sequence: where the output stands (`scanner`), the budget closer and the loop guard (either None
+    when off), and what they did (`closed_at_budget`, `loops_ended`)."""
+
+    __slots__ = ("closed_at_budget", "closer", "guard", "loops_ended", "scanner", "tokens")
+
+    def __init__(self, tokens: ByteTokens, *, close: bool, guard: bool, max_number_digits: int):
+        self.tokens = tokens
+        self.scanner = JsonScanner()
+        self.closer = BudgetCloser(tokens) if close else None
+        self.guard = LoopGuard(tokens, max_number_digits=max_number_digits) if guard else None
+        self.closed_at_budget = False
+        self.loops_ended = 0
+
+    def copy(self) -> Finisher:
+        twin = Finisher.__new__(Finisher)
+        twin.tokens = self.tokens
+        twin.scanner = self.scanner.copy()
+        twin.closer = self.closer.copy() if self.closer is not None else None
+        twin.guard = self.guard.copy() if self.guard is not None else None
+        twin.closed_at_budget, twin.loops_ended = self.closed_at_budget, self.loops_ended
+        return twin
+
+    def reset(self) -> None:
+        self.scanner = JsonScanner()
+        if self.closer is not None:
+            self.closer.reset()
+        if self.guard is not None:
+            self.guard.reset()
+        self.closed_at_budget = False
+        self.loops_ended = 0
+
+    def entered(self, token_ids: list[int]) -> None:
+        """Tokens the grammar accepted (sampled or forced), in order."""
+        self.scanner.feed(self.tokens.text(token_ids))
+
+    def advance(self, grammar: Grammar, token_id: int, *, left: int | None, jump_forward: bool) -> Advance:
+        """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
+        take after it (None: no limit to close against). Accepts what it returns into the grammar."""
+        before = self.scanner.copy() if self.closer is not None and left is not None else None
+        start = self.scanner.offset
+        appended = [token_id]
+        self._accept(grammar, appended)
+        if jump_forward:
+            appended += self._forced(grammar)
+        if self.guard is not None:
+            ended = self.guard.step(grammar, self.scanner, appended, start)
+            if ended:
+                self._accept(grammar, ended)
+                self.loops_ended += 1
+                appended += ended
+                if jump_forward:
+                    appended += self._forced(grammar)
+        if before is None or self.closer is None or left is None:
+            return Advance(True, appended[1:])
+        room = left - (len(appended) - 1)
+        if self.closer.step(grammar, self.scanner, room, appended):
+            # Complete with no room left: end here (an accepting grammar may still allow more, e.g. a number).
+            end = room <= 0 and self.closer.plan == ()
+            self.closed_at_budget |= end
+            return Advance(True, appended[1:], end=end)
+        fallback = self.closer.fallback
+        assert fallback is not None
+        grammar.rollback(len(appended))
+        self.scanner = before
+        self._accept(grammar, list(fallback))
+        self.closed_at_budget = True
+        return Advance(False, list(fallback), end=True)
+
+    def _accept(self, grammar: Grammar, token_ids: list[int]) -> None:
+        if not grammar.accept_tokens(token_ids):
+            from structgen.structured.errors import GrammarRejectedTokenError
+
+            raise GrammarRejectedTokenError(f"the grammar rejected tokens {token_ids} it had allowed")
+        self.entered(token_ids)
+
+    def _forced(self, grammar: Grammar) -> list[int]:
+        forced = grammar.find_jump_forward()
+        if forced:
+            self._accept(grammar, forced)
+        return forced

@@ -1,0 +1,184 @@
+"""The closing walk: from any point of a valid JSON output, the shortest completion it finds is accepted by the
+grammar and makes an output that validates, on every backend; the budget closer takes its fallback exactly when
+a token would leave too little room."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pytest
+
+from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
+from structgen.structured.closing import BudgetCloser, ByteTokens, can_end, shortest_completion
+from structgen.structured.json_scan import JsonScanner
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "age": {"type": "integer", "minimum": 18, "maximum": 130},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "email": {"type": "string", "format": "email"},
+        "born": {"type": "string", "format": "date"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,4}$"},
+        "score": {"type": "number", "exclusiveMinimum": 0.5},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "maxLength": 5}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "note": {"type": "string"},
+    },
+    "required": ["name", "age", "role", "email", "born", "code", "score", "tags", "address"],
+    "additionalProperties": False,
+}
+PERSON_OUTPUT = {
+    "name": "Maria Lopez",
+    "age": 34,
+    "role": "user",
+    "email": "maria@example.org",
+    "born": "1990-04-12",
+    "code": "ABC-123",
+    "score": 7.25,
+    "tags": ['a "quoted" tag', "b]}"],
+    "address": {"city": "Lisbon", "zip": "1000"},
+    "note": "done",
+}
+MATRIX = {
+    "type": "object",
+    "properties": {
+        "rows": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            "minItems": 1,
+        },
+        "ok": {"type": "boolean"},
+        "nothing": {"type": "null"},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string", "minLength": 3}]},
+    },
+    "required": ["rows", "ok", "nothing", "either"],
+}
+MATRIX_OUTPUT = {"rows": [[1, 22], [333]], "ok": False, "nothing": None, "either": "abcd"}
+CASES = [(PERSON, PERSON_OUTPUT), (MATRIX, MATRIX_OUTPUT), ({"type": "object"}, {"a": [1, {"b": "c"}]})]
+
+
+@pytest.fixture(scope="module")
+def byte_tokens(info: TokenizerInfo) -> ByteTokens:
+    return ByteTokens.of(info)
+
+
+def _compile(backend: StructuredBackend, schema: dict[str, Any]) -> Any:
+    params = StructuredOutputsParams(json=schema) if schema != {"type": "object"} else None
+    spec = (params or StructuredOutputsParams(json_object=True)).to_spec()
+    return backend.compile(spec)
+
+
+@pytest.mark.parametrize("backend_name", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_every_prefix_closes_into_a_valid_output(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    tiny_tokenizer: Any,
+    backend_name: str,
+    case: int,
+) -> None:
+    schema, instance = CASES[case]
+    grammar = _compile(backends[backend_name], schema)
+    ids = encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False))
+    # xgrammar's format grammars are looser than the formats (2023-02-31 passes): the engine's validation
+    # flags such outputs; here its completions are held to everything else.
+    formats = jsonschema.FormatChecker() if backend_name == "llguidance" else None
+    checker = jsonschema.Draft202012Validator(schema, format_checker=formats)
+    for cut in range(len(ids) + 1):
+        grammar.reset()
+        assert grammar.accept_tokens(ids[:cut])
+        scanner = JsonScanner()
+        scanner.feed(byte_tokens.text(ids[:cut]))
+        plan = shortest_completion(grammar, byte_tokens, scanner)
+        assert plan is not None, f"no completion after {tiny_tokenizer.decode(ids[:cut])!r}"
+        text = tiny_tokenizer.decode(ids[:cut] + list(plan))
+        assert grammar.accept_tokens(list(plan)), text
+        assert can_end(grammar, byte_tokens.eos), text
+        errors = [e.message for e in checker.iter_errors(json.loads(text))]
+        assert not errors, f"{text}: {errors}"
+        if cut == len(ids):
+            assert plan == ()  # a complete output needs nothing more
+
+
+def test_completion_is_short(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    """Closing an open string of an object with nothing else required costs a couple of tokens, not more."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}}
+    grammar = _compile(backends["llguidance"], schema)
+    prefix = '{"a":["one","two","thr'
+    assert grammar.accept_tokens(encode(prefix))
+    scanner = JsonScanner()
+    scanner.feed(prefix.encode())
+    plan = shortest_completion(grammar, byte_tokens, scanner)
+    assert plan is not None and byte_tokens.text(list(plan)) == b'"]}'
+    assert len(plan) <= 2
+
+
+def test_walk_leaves_the_grammar_as_it_was(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    grammar = _compile(backends["llguidance"], PERSON)
+    prefix = encode('{"name":"Jo')
+    assert grammar.accept_tokens(prefix)
+    scanner = JsonScanner()
+    scanner.feed(byte_tokens.text(prefix))
+    assert shortest_completion(grammar, byte_tokens, scanner) is not None
+    assert grammar.validate_tokens(encode('hn","age":40')) == len(encode('hn","age":40'))
+    assert not can_end(grammar, byte_tokens.eos)
+
+
+def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    grammar = _compile(backends["llguidance"], schema)
+    closer = BudgetCloser(byte_tokens)
+    scanner = JsonScanner()
+    start = encode('{"s":"')
+    assert grammar.accept_tokens(start)
+    scanner.feed(byte_tokens.text(start))
+    # Plenty of room: the step passes and the completion ('"}') is known.
+    word = encode("hello")
+    assert grammar.accept_tokens(word)
+    scanner.feed(byte_tokens.text(word))
+    assert closer.step(grammar, scanner, 10, word)
+    assert closer.plan is not None and byte_tokens.text(list(closer.plan)) == b'"}'
+    need = len(closer.plan)
+    # A token after which the completion no longer fits: the step fails and the fallback is the one above.
+    more = encode(" world")
+    assert grammar.accept_tokens(more)
+    scanner.feed(byte_tokens.text(more))
+    assert not closer.step(grammar, scanner, need - 1, more)
+    assert closer.fallback is not None and byte_tokens.text(list(closer.fallback)) == b'"}'
+
+
+def test_closer_follows_the_model_writing_the_completion(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    grammar = _compile(backends["llguidance"], schema)
+    closer = BudgetCloser(byte_tokens)
+    scanner = JsonScanner()
+    start = encode('{"s":"x')
+    assert grammar.accept_tokens(start)
+    scanner.feed(byte_tokens.text(start))
+    assert closer.step(grammar, scanner, 3, start)
+    plan = closer.plan
+    assert plan is not None
+    first = [plan[0]]
+    assert grammar.accept_tokens(first)
+    scanner.feed(byte_tokens.text(first))
+    assert closer.step(grammar, scanner, 2, first)
+    assert closer.plan == plan[1:]

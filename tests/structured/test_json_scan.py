@@ -1,0 +1,35 @@
+"""The JSON scanner: open values and their offsets, across token boundaries, escapes and wrapper text."""
+
+from __future__ import annotations
+
+import pytest
+
+from structgen.structured.json_scan import ARRAY, NUMBER, OBJECT, STRING, JsonScanner
+
+
+def kinds(text: bytes, *, chunk: int = 1) -> list[int]:
+    scanner = JsonScanner()
+    for i in range(0, len(text), chunk):
+        scanner.feed(text[i : i + chunk])
+    assert scanner.offset == len(text)
+    return [kind for kind, _ in scanner.stack]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_stack_follows_the_text(chunk: int) -> None:
+    assert kinds(b'{"a":[1,"x', chunk=chunk) == [OBJECT, ARRAY, STRING]
+    assert kinds(b'{"a":[1,"x"]', chunk=chunk) == [OBJECT]
+    assert kinds(b'{"a":[12', chunk=chunk) == [OBJECT, ARRAY, NUMBER]
+    assert kinds(b'{"a":[12,', chunk=chunk) == [OBJECT, ARRAY]
+    assert kinds(b'{"a":"q\\"}]', chunk=chunk) == [OBJECT, STRING]  # escaped quote: still inside
+    assert kinds(b'{"a":"q\\\\"}', chunk=chunk) == []  # escaped backslash, then the closing quote
+    assert kinds(b'{"k":"}]"}', chunk=chunk) == []  # closers inside strings are content
+
+
+def test_wrapper_text_is_skipped_and_offsets_are_absolute() -> None:
+    scanner = JsonScanner()
+    scanner.feed(b'<tool_call>\n{"name": "f", "arguments": {"city": "Vie')
+    assert [k for k, _ in scanner.stack] == [OBJECT, OBJECT, STRING]
+    assert scanner.stack[0][1] == len(b"<tool_call>\n")
+    scanner.feed(b'nna"}}\n</tool_call>')
+    assert scanner.stack == []

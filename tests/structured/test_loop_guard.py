@@ -1,0 +1,125 @@
+"""The loop guard: a value the model fills with the same tokens over and over is ended (a string closed, an
+array closed, a runaway number stopped) with output the grammar accepts; outputs without loops are untouched."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pytest
+
+from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
+from structgen.structured.closing import ByteTokens, can_end
+from structgen.structured.finishing import Finisher
+
+MEETING = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "attendees": {"type": "array", "items": {"type": "string"}},
+        "budget": {"type": "number"},
+    },
+    "required": ["title", "attendees", "budget"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def byte_tokens(info: TokenizerInfo) -> ByteTokens:
+    return ByteTokens.of(info)
+
+
+class Run:
+    """Feeds tokens one at a time through a finisher with the guard on, as the engine does."""
+
+    def __init__(self, backend: StructuredBackend, byte_tokens: ByteTokens, schema: dict[str, Any]):
+        self.grammar = backend.compile(StructuredOutputsParams(json=schema).to_spec())
+        self.tokens = byte_tokens
+        self.finisher = Finisher(byte_tokens, close=False, guard=True, max_number_digits=24)
+        self.ids: list[int] = []
+        self.inserted: list[list[int]] = []  # what the guard appended, per token fed
+
+    def feed(self, ids: list[int]) -> None:
+        for token in ids:
+            step = self.finisher.advance(self.grammar, token, left=None, jump_forward=False)
+            assert step.kept and not step.end
+            self.ids += [token, *step.tokens]
+            self.inserted.append(step.tokens)
+
+    def feed_until_guarded(self, ids: list[int], *, limit: int = 400) -> None:
+        """Feed `ids` over and over until the guard appends something."""
+        for _ in range(limit // len(ids)):
+            for token in ids:
+                self.feed([token])
+                if self.inserted[-1]:
+                    return
+        raise AssertionError(f"the guard never ended the loop: {self.text()[-80:]!r}")
+
+    def text(self) -> str:
+        return self.tokens.text(self.ids).decode()
+
+
+def test_a_string_that_loops_is_closed(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    run = Run(backends["llguidance"], byte_tokens, MEETING)
+    run.feed(encode('{"title":"Sakura'))
+    run.feed_until_guarded(encode("_2026"))
+    assert byte_tokens.text(run.inserted[-1]) == b'"'
+    assert run.finisher.loops_ended == 1
+    assert run.text().count("_2026") < 16  # ended within a few repetitions, not at the budget
+    run.feed(encode(',"attendees":[],"budget":1}'))
+    assert can_end(run.grammar, byte_tokens.eos)
+    jsonschema.validate(json.loads(run.text()), MEETING)
+
+
+def test_an_array_whose_items_repeat_is_closed(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    run = Run(backends["llguidance"], byte_tokens, MEETING)
+    run.feed(encode('{"title":"Team sync","attendees":["Amara","Lukas",'))
+    run.feed_until_guarded(encode('"Sakura",'))
+    # The item being written is finished, then the array closed.
+    assert byte_tokens.text(run.inserted[-1]).endswith(b"]")
+    assert run.text().endswith('"]') or run.text().endswith('"Sakura"]')
+    run.feed(encode(',"budget":12.5}'))
+    output = json.loads(run.text())
+    jsonschema.validate(output, MEETING)
+    assert output["attendees"][:2] == ["Amara", "Lukas"]
+
+
+def test_a_runaway_number_is_ended(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    run = Run(backends["llguidance"], byte_tokens, MEETING)
+    run.feed(encode('{"title":"x","attendees":[],"budget":3.'))
+    run.feed_until_guarded(encode("14159"))
+    budget_text = run.text().split('"budget":')[1]
+    assert budget_text.endswith("}")
+    assert len(budget_text) <= 24 + 8
+    jsonschema.validate(json.loads(run.text()), MEETING)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        {"title": "Quarterly planning", "attendees": ["Amara", "Lukas", "Kai", "Sakura"], "budget": 1200.5},
+        # Repetition short of a loop: a few equal items, a short run of one character.
+        {"title": "aaaaaaaa", "attendees": ["Kai", "Kai", "Kai"], "budget": 100000},
+        {"title": "ha ha ha ha", "attendees": [], "budget": -0.25},
+    ],
+)
+def test_outputs_without_loops_are_untouched(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    output: dict[str, Any],
+) -> None:
+    run = Run(backends["llguidance"], byte_tokens, MEETING)
+    text = json.dumps(output, separators=(",", ":"))
+    run.feed(encode(text))
+    assert not any(run.inserted)
+    assert run.finisher.loops_ended == 0
+    assert run.text() == text
