@@ -9,7 +9,12 @@ from collections.abc import Sequence
 from structgen.commands import bench as bench_command
 from structgen.commands import generate as generate_command
 from structgen.commands import validate as validate_command
+from structgen.commands.structured_flags import add_structured_flags, structured_switches
 from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
+
+# `structgen.server.limits.DEFAULT_MAX_TOKENS` (a test keeps them equal): importing the server for `--help` would
+# load FastAPI.
+DEFAULT_MAX_TOKENS = 4096
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +90,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="levels of each $ref cycle generated for recursive schemas no backend takes as they are "
         f"(the 'restricted' path; 0 refuses them; default {DEFAULT_RECURSION_DEPTH})",
     )
+    add_structured_flags(serve)
+    serve.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="output cap of a chat request that sets neither max_tokens nor max_completion_tokens, lowered to "
+        f"the context the prompt leaves (default {DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)",
+    )
     serve.add_argument(
         "--max-request-bytes",
         type=int,
@@ -140,13 +153,16 @@ def _run_serve(args: argparse.Namespace) -> int:
             cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
             structured=StructuredOutputConfig(
-                backend=args.structured_backend, recursion_depth=args.structured_recursion_depth
+                backend=args.structured_backend,
+                recursion_depth=args.structured_recursion_depth,
+                **structured_switches(args),
             ),
         )
         limits = ServerLimits(
             max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests,
             shutdown_timeout_s=args.shutdown_timeout,
+            max_tokens_default=args.max_tokens_default,
         )
     except ValueError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)

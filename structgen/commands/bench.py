@@ -21,6 +21,10 @@ BENCHMARKS = {
     "server": ("server", "the HTTP server under concurrent load"),
     "kernels": ("kernels", "Triton kernels vs their torch references"),
     "tools": ("tools", "tool calling"),
+    "completion": (
+        "completion",
+        "structured outputs that finish: budget closing and the loop guard on vs off (extraction, BFCL)",
+    ),
     "peers": ("peers", "structgen vs vLLM and llama.cpp servers over HTTP, same model, one at a time"),
     "load": (
         "load",

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from structgen.commands.structured_flags import add_structured_flags, structured_switches
+
 EXAMPLES = """\
 examples:
   structgen generate --prompt "Name a color." --choice red,green,blue
@@ -59,6 +61,7 @@ def add_parser(
     shape.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or EBNF grammar")
     gen.add_argument("--strict", action="store_true", help="fail instead of returning an invalid output")
     gen.add_argument("--backend", default="auto", choices=["auto", "llguidance", "xgrammar", "outlines"])
+    add_structured_flags(gen)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from structgen.structured import StructuredOutputConfig
     from structgen.validate.local import build_backends
 
-    structured = StructuredOutputConfig(backend=args.backend)
+    structured = StructuredOutputConfig(backend=args.backend, **structured_switches(args))
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, device=args.device, structured=structured)
     )

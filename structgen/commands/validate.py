@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from structgen.commands.structured_flags import add_structured_flags, structured_switches
+
 if TYPE_CHECKING:
     from structgen.validate.checks import GenerationOptions
     from structgen.validate.local import LocalRunner
@@ -71,6 +73,7 @@ def add_parser(
         "--max-schema-chars", type=int, default=2000, help="cut longer schemas in the prompt (default 2000)"
     )
     p.add_argument("--backend", default="auto", choices=["auto", "llguidance", "xgrammar", "outlines"])
+    add_structured_flags(p)
     p.add_argument("--compile-timeout", type=float, default=30.0, help="seconds per schema (default 30)")
     p.add_argument("--concurrency", type=int, default=16, help="schemas in flight at once (default 16)")
     p.add_argument(
@@ -205,6 +208,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return "--resume needs --report"
     if args.server and args.backend != "auto":
         return "--backend applies to the in-process engine; start the server with --structured-backend"
+    if args.server and not all(structured_switches(args).values()):
+        return (
+            "--no-structured-budget-closing and --no-structured-loop-guard apply to the in-process engine; "
+            "start the server with them"
+        )
     return None
 
 
@@ -229,7 +237,9 @@ def _runner(args: argparse.Namespace, options: GenerationOptions) -> LocalRunner
         device=args.device,
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
         scheduler=SchedulerConfig(max_num_seqs=args.concurrency * args.samples),
-        structured=StructuredOutputConfig(backend=args.backend, compile_timeout_s=args.compile_timeout),
+        structured=StructuredOutputConfig(
+            backend=args.backend, compile_timeout_s=args.compile_timeout, **structured_switches(args)
+        ),
     )
     return LocalRunner(LLMEngine(config), options, concurrency=args.concurrency)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # importing torch and loading a shard; a worker that is silently gone fails sooner
 _EXIT_TIMEOUT_S = 5.0
+# The exit code of a spawned process that was asked to start workers while it was still importing its parent's
+# main module: the parent then names the missing `if __name__ == "__main__":` guard (without it the worker's
+# death reads as a bare EOFError on its pipe).
+UNGUARDED_MAIN_EXIT_CODE = 86
+UNGUARDED_MAIN_MESSAGE = (
+    'the script creates the engine as soon as it is imported: it has no `if __name__ == "__main__":` guard. '
+    "Tensor-parallel workers are spawned processes that import the main module again, so put the code that "
+    "creates the LLM (or engine) under `if __name__ == \"__main__\":` (see 'Safe importing of main module' in "
+    "Python's multiprocessing documentation)"
+)
 
 
 @dataclass(slots=True)
@@ -61,6 +72,7 @@ class TensorParallelGroup:
 
         from structgen.models.config import ModelConfig
 
+        _exit_if_importing_main()
         tp_size = config.tensor_parallel_size
         check_tensor_parallel(ModelConfig.from_dir(model_dir), tp_size)
         if torch.distributed.is_initialized():
@@ -124,7 +136,11 @@ class TensorParallelGroup:
             thread.join(0.1)
             for worker in self.workers:
                 if not worker.process.is_alive():
-                    detail = worker.conn.recv()[1] if worker.conn.poll() else None
+                    if worker.process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+                        raise TensorParallelError(
+                            f"tensor-parallel worker rank {worker.rank} could not start: {UNGUARDED_MAIN_MESSAGE}"
+                        )
+                    detail = _last_word(worker.conn)
                     raise TensorParallelError(
                         f"tensor-parallel worker rank {worker.rank} exited (code {worker.process.exitcode}) "
                         f"before joining the group" + (f": {detail}" if detail else "")
@@ -225,3 +241,26 @@ class TensorParallelGroup:
     @property
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self.workers]
+
+
+def _exit_if_importing_main() -> None:
+    """In a spawned process still importing its parent's main module (multiprocessing's bootstrapping phase),
+    exit with `UNGUARDED_MAIN_EXIT_CODE`: the module creates an engine at import time, and going on would load
+    a model and spawn workers of its own in every worker. The parent turns the code into the message."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        print(
+            "structgen: a tensor-parallel worker stopped: the main module creates an engine when imported "
+            '(no `if __name__ == "__main__":` guard)',
+            file=sys.stderr,
+        )
+        raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
+
+
+def _last_word(conn: Connection) -> str | None:
+    """What a worker that died sent last (its error), or None: a dead worker's pipe polls as readable at EOF."""
+    try:
+        return conn.recv()[1] if conn.poll() else None
+    except (EOFError, OSError):
+        return None

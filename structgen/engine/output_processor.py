@@ -162,6 +162,11 @@ class OutputProcessor:
         if status is not SequenceStatus.FINISHED_STOPPED:
             return status  # "length" (incomplete, not valid), "error", "abort": nothing to validate
         result = structured.validate(seq.output_text)
+        if not result.valid and structured.closed_at_budget:
+            # A relaxed grammar's shortest completion missed the schema: no valid output fit the budget. It counts
+            # as cut short, as without closing (a resample would meet the same budget).
+            structured.withdraw_closing()
+            return SequenceStatus.FINISHED_LENGTH
         if structured.should_retry():
             return None
         if not result.valid and structured.failed_strict():

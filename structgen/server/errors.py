@@ -75,15 +75,32 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if not problems:
         return "invalid request body", None
     first = problems[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
-    param = ".".join(loc) or None
+    param = ".".join(_field_path(first.get("loc", ()))) or None
     message = first.get("msg", "invalid value")
     text = f"{param}: {message}" if param else message
     if len(problems) > 1:
         text += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     return text, param
+
+
+# How pydantic names the member of a union a problem was found under (`stop: str | list[str]` gives the locs
+# `stop.str` and `stop.list[str]`): builtin type names, or anything with brackets.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> list[str]:
+    """The field a problem is in, as OpenAI's `param` names it: the body's field names and list indexes, up to
+    the first union-member tag (a client sent `stop`, not `stop.list[str]`)."""
+    path: list[str] = []
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, str) and (part in _UNION_TAGS or not part.isidentifier()):
+            break
+        path.append(str(part))
+    return path
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,5 +1,5 @@
-"""Server limits (`--max-request-bytes`, `--max-waiting-requests`, `--shutdown-timeout`) and the body-size
-guard.
+"""Server limits (`--max-request-bytes`, `--max-waiting-requests`, `--shutdown-timeout`, `--max-tokens-default`)
+and the body-size guard.
 
 The guard is pure ASGI and sits in front of FastAPI: a declared `Content-Length` over the limit is refused before
 any byte is read, and a body without one (chunked) is counted as it arrives and refused the moment it passes the
@@ -10,12 +10,20 @@ limit, so a 50 MB upload never sits in memory. An accepted body (at most the lim
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from structgen.server.errors import error_body
+from structgen.server.errors import APIError, error_body
+
+if TYPE_CHECKING:
+    from structgen.sampling_params import SamplingParams
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+# The output cap of a chat request that gives no max_tokens (`--max-tokens-default`). 4,096 is what OpenAI's own
+# models long capped output at, more than any answer a caller waits for, and it bounds an uncapped request to
+# ~20 s of SmolLM2 decode on a CPU, where the context left (8k for SmolLM2, 32k-128k for Qwen / Llama
+# checkpoints) would let it hold a sequence slot and its KV blocks for minutes.
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -26,6 +34,8 @@ class ServerLimits:
     # SIGTERM: how long in-flight requests may take to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
+    # A chat request without max_tokens / max_completion_tokens stops here (or where the context ends).
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -34,6 +44,22 @@ class ServerLimits:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+
+
+def with_default_max_tokens(
+    params: SamplingParams, *, default: int, prompt_tokens: int, max_sequence_tokens: int
+) -> SamplingParams:
+    """`params` capped at `default` tokens, or at the context left after the prompt when that is less. A prompt
+    that leaves no room keeps max_tokens unset, so the engine's own "prompt too long" 400 answers it."""
+    room = max_sequence_tokens - prompt_tokens
+    if room < 1:
+        return params
+    try:
+        return replace(params, max_tokens=min(default, room))
+    except ValueError as error:  # min_tokens above the cap
+        raise APIError(400, str(error), param="min_tokens", code="invalid_value") from None
 
 
 class BodySizeLimit:

@@ -4,7 +4,8 @@ as in the tests, never clash).
 Engine gauges and counters are read at scrape time (`AsyncEngine.stats()`, the structured-output manager's
 cache counts); latency and compile-time histograms are fed at scrape time from the bounded lists of recent
 finished requests and compiles the engine keeps (observations past those bounds between two scrapes are lost,
-never double counted). HTTP requests and the structured serving path of each output are counted as they happen.
+never double counted). HTTP requests, the structured serving path of each output, the outputs closed at their
+budget and the loops the guard ended are counted as they happen.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ class ServerMetrics:
             ["path", "valid"],
             registry=self.registry,
         )
+        # Counted from the finished choices' reports (`StructuredReport`), like the serving paths above.
+        self.closed_at_budget = Counter(
+            "structgen_structured_closed_at_budget",
+            "Structured outputs steered onto their shortest valid completion as the tokens left ran out",
+            registry=self.registry,
+        )
+        self.loops_ended = Counter(
+            "structgen_structured_loops_ended",
+            "Values inside structured outputs that the loop guard ended (the model repeated the same tokens)",
+            registry=self.registry,
+        )
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.tpot = self._histogram("time_per_output_token_seconds", "Time per output token", _TPOT_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
@@ -66,6 +78,11 @@ class ServerMetrics:
             if report is not None and report.path is not None:
                 valid = "unknown" if report.valid is None else str(report.valid).lower()
                 self.structured_outputs.labels(report.path, valid).inc()
+            if report is not None:
+                if report.closed_at_budget:
+                    self.closed_at_budget.inc()
+                if report.loops_ended:
+                    self.loops_ended.inc(report.loops_ended)
 
     async def render(self) -> bytes:
         self._collector.stats = await self.engine.stats()

@@ -12,13 +12,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from structgen.engine.outputs import TokenLogprob
+from structgen.engine.outputs import CompletionOutput, TokenLogprob
 from structgen.sampling_params import SamplingParams
 from structgen.server.errors import APIError
+from structgen.server.structured_request import resolve_structured, structured_options
+
+# OpenAI's ranges for the HTTP API, checked before any work starts. The offline `SamplingParams` keeps vLLM's
+# wider ones (any temperature >= 0, any n), which scripts may rely on.
+MAX_TEMPERATURE = 2.0
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
+# OpenAI's default `max_tokens` for text completions (chat has none: the server's `max_tokens_default` caps it).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI does. Known ones are typed strictly, also as OpenAI does:
+    # `"stream": "yes"` or `"n": "2"` is a 400, not coerced (an int still passes for a float); NaN and
+    # infinities are no numbers.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -29,74 +42,54 @@ class _SamplingFields(_Request):
     """Fields shared by chat and text completions: OpenAI's sampling options and vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # vLLM's extras, sent by the `openai` SDK as top-level fields through `extra_body`.
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def _structured(self, response_format: dict[str, Any] | None) -> Any:
-        from structgen.structured import StructuredOutputsParams
+    def structured_options(self) -> dict[str, Any]:
+        """The options of `structured_outputs` (budget closing, loop guard, whitespace, strict), checked."""
+        return structured_options(self.structured_outputs)
 
-        given = {
-            name: value
-            for name, value in (
-                (
-                    "response_format",
-                    response_format if (response_format or {}).get("type") != "text" else None,
-                ),
-                ("guided_json", self.guided_json),
-                ("guided_regex", self.guided_regex),
-                ("guided_choice", self.guided_choice),
-                ("guided_grammar", self.guided_grammar),
-                ("structured_outputs", self.structured_outputs),
-            )
-            if value is not None
+    def _structured(self, response_format: dict[str, Any] | None, *, has_tools: bool) -> Any:
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
         }
-        if len(given) > 1:
-            raise APIError(400, f"set at most one of {', '.join(given)}", param=next(iter(given)))
-        if not given:
-            return None
-        name, value = next(iter(given.items()))
-        if name == "response_format":
-            return StructuredOutputsParams.from_response_format(value)
-        if name == "structured_outputs":
-            known = {
-                "json",
-                "json_object",
-                "regex",
-                "grammar",
-                "choice",
-                "whitespace",
-                "max_whitespace",
-                "strict",
-            }
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise APIError(400, f"unknown structured_outputs field(s): {', '.join(unknown)}", param=name)
-            return StructuredOutputsParams(**value)
-        key = name.removeprefix("guided_")
-        return StructuredOutputsParams(**{key: value})
+        return resolve_structured(
+            response_format=response_format,
+            guided=guided,
+            structured_outputs=self.structured_outputs,
+            has_tools=has_tools,
+        )
 
     def _sampling_params(
-        self, max_tokens: int | None, response_format: dict[str, Any] | None, logprobs: int | None
+        self,
+        max_tokens: int | None,
+        response_format: dict[str, Any] | None,
+        logprobs: int | None,
+        *,
+        has_tools: bool = False,
     ) -> SamplingParams:
         """The engine's view of this request; a bad value is a 400 that names the field."""
         try:
@@ -117,13 +110,17 @@ class _SamplingFields(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=self.min_tokens,
-                structured_outputs=self._structured(response_format),
+                structured_outputs=self._structured(response_format, has_tools=has_tools),
                 **{k: v for k, v in optional.items() if v is not None},
             )
         except APIError:
             raise
-        except ValueError as error:  # SamplingParams and InvalidSpecError name the field
-            raise APIError(400, str(error), code="invalid_value") from None
+        except ValueError as error:  # SamplingParams' messages start with the field's name
+            raise APIError(400, str(error), param=self._param_of(error), code="invalid_value") from None
+
+    def _param_of(self, error: ValueError) -> str | None:
+        head = str(error).split(" ", 1)[0]
+        return head if head in type(self).model_fields else None
 
 
 class ChatMessage(_Request):
@@ -157,34 +154,44 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Tool calling (checked and applied by `structgen.server.tool_calls`).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @property
+    def max_tokens_given(self) -> bool:
+        """Whether the request caps its output itself; if not, the server's default cap applies."""
+        return self.max_completion_tokens is not None or self.max_tokens is not None
+
     def to_sampling_params(self) -> SamplingParams:
+        """The params as the request gives them; without a max_tokens the route sets the server's cap, which
+        depends on the prompt's length (`structgen.server.limits.with_default_max_tokens`)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, self.response_format, logprobs)
+        has_tools = self.tools is not None or self.tool_choice is not None
+        return self._sampling_params(max_tokens, self.response_format, logprobs, has_tools=has_tools)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for text completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo and self.logprobs is not None:
             # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
             raise APIError(400, "echo with logprobs is not supported", param="echo")
-        return self._sampling_params(self.max_tokens, None, self.logprobs)
+        # `null` is OpenAI's default too, never "until the context is full" (which vLLM reads it as).
+        max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._sampling_params(max_tokens, None, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -224,11 +231,42 @@ class AssistantMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
+class StructuredInfo(BaseModel):
+    """How a structured choice was served (the engine's `StructuredReport`): the grammar backend, the serving
+    path (exact / rewritten / restricted / relaxed), whether the output validates, the resamples it took,
+    whether it was closed at the budget (steered onto its shortest valid completion as `max_tokens` or the
+    context ran out: it finished "stop" where it would have been cut) and how many looping values the loop
+    guard ended. An extension of OpenAI's shape: SDKs keep it as an extra field."""
+
+    backend: str | None
+    path: str | None
+    valid: bool | None
+    retries: int
+    closed_at_budget: bool
+    loops_ended: int
+
+    @classmethod
+    def of(cls, output: CompletionOutput) -> StructuredInfo | None:
+        """The report of a structured output; None for an unconstrained one."""
+        report = output.structured
+        if report is None:
+            return None
+        return cls(
+            backend=report.backend,
+            path=report.path,
+            valid=report.valid,
+            retries=report.retries,
+            closed_at_budget=report.closed_at_budget,
+            loops_ended=report.loops_ended,
+        )
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None
+    structured: StructuredInfo | None = None  # null for unconstrained requests
 
 
 class ChatCompletion(BaseModel):
@@ -253,6 +291,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    # Only on the chunk carrying a structured choice's finish_reason (`streaming.py` drops the key elsewhere).
+    structured: StructuredInfo | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -270,6 +310,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None
+    # Null for unconstrained requests; in a stream, only on the chunk that finishes the choice (`ChatChunkChoice`).
+    structured: StructuredInfo | None = None
 
 
 class Completion(BaseModel):

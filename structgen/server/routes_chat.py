@@ -10,6 +10,7 @@ from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.errors import APIError
+from structgen.server.limits import with_default_max_tokens
 from structgen.server.openapi import generation_responses
 from structgen.server.streaming import chat_chunks
 from structgen.server.tool_calls import ChatTools
@@ -28,14 +29,23 @@ def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
             )
         except Exception as error:  # a template that rejects the conversation (roles out of order...)
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
-        prompt = {"prompt": text, "prompt_token_ids": ctx.tokenizer.encode(text, add_special_tokens=False)}
+        prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
+        run_params = tools.params
+        if not body.max_tokens_given:  # never "until the context is full"
+            run_params = with_default_max_tokens(
+                run_params,
+                default=ctx.limits.max_tokens_default,
+                prompt_tokens=len(prompt_ids),
+                max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
+            )
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         result = await dispatch(
             ctx,
             request,
             p.new_id("chatcmpl"),
             [prompt],
-            tools.params,
+            run_params,
             events=(lambda call, started: tools.events(chat_chunks(call, started, params.n, include_usage)))
             if body.stream
             else None,
@@ -48,6 +58,7 @@ def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
                 message=tools.message(o),
                 logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
                 finish_reason=tools.finish_reason(o),
+                structured=p.StructuredInfo.of(o),
             )
             for i, o in enumerate(result.outputs)
         ]

@@ -38,6 +38,7 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
                 text=(echo[i // params.n] if echo is not None else "") + o.text,
                 logprobs=p.completion_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
                 finish_reason=o.finish_reason,
+                structured=p.StructuredInfo.of(o),
             )
             for i, o in enumerate(result.outputs)
         ]

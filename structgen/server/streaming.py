@@ -67,11 +67,16 @@ async def chat_chunks(
         delta: p.ChatDelta,
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        structured: p.StructuredInfo | None = None,
     ) -> dict[str, Any]:
-        choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        return p.ChatCompletionChunk(
-            id=call.id, created=call.created, model=call.model, choices=[choice]
-        ).model_dump()
+        choice = p.ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs, structured=structured
+        )
+        return _lean(
+            p.ChatCompletionChunk(
+                id=call.id, created=call.created, model=call.model, choices=[choice]
+            ).model_dump()
+        )
 
     for index in range(n * len(started)):
         yield chunk(index, p.ChatDelta(role="assistant", content=""))
@@ -88,7 +93,9 @@ async def chat_chunks(
         if o.finished:
             rest = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else []
             logprobs = p.chat_logprobs(call.tokenizer, rest) if rest else None
-            yield chunk(index, p.ChatDelta(), o.finish_reason, logprobs=logprobs)
+            yield chunk(
+                index, p.ChatDelta(), o.finish_reason, logprobs=logprobs, structured=p.StructuredInfo.of(o)
+            )
     usage = call.finish(prompt_tokens(started), list(finals.values()))
     if include_usage:
         yield p.ChatCompletionChunk(
@@ -102,11 +109,19 @@ async def completion_chunks(
     """Text completion chunks; with `echo` (one text per prompt) each choice starts with its prompt."""
 
     def chunk(
-        index: int, text: str, logprobs: Any = None, finish_reason: str | None = None
+        index: int,
+        text: str,
+        logprobs: Any = None,
+        finish_reason: str | None = None,
+        structured: p.StructuredInfo | None = None,
     ) -> dict[str, Any]:
-        choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-        return p.Completion(id=call.id, created=call.created, model=call.model, choices=[choice]).model_dump(
-            exclude={"usage"}
+        choice = p.CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, structured=structured
+        )
+        return _lean(
+            p.Completion(id=call.id, created=call.created, model=call.model, choices=[choice]).model_dump(
+                exclude={"usage"}
+            )
         )
 
     for index in range(n * len(started)) if echo is not None else ():
@@ -125,9 +140,19 @@ async def completion_chunks(
                 offset = len(o.text) - len(o.delta_text)
                 logprobs = p.completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
                 sent[index] = len(o.logprobs)
-            yield chunk(index, o.delta_text, logprobs, o.finish_reason)
+            structured = p.StructuredInfo.of(o) if o.finished else None
+            yield chunk(index, o.delta_text, logprobs, o.finish_reason, structured)
     usage = call.finish(prompt_tokens(started), list(finals.values()))
     if include_usage:
         yield p.Completion(
             id=call.id, created=call.created, model=call.model, choices=[], usage=usage
         ).model_dump()
+
+
+def _lean(event: dict[str, Any]) -> dict[str, Any]:
+    """The chunk without a `structured: null` key: it is sent once, with a structured choice's finish_reason,
+    and a null on every other chunk would only add bytes to each."""
+    for choice in event["choices"]:
+        if choice.get("structured", 0) is None:
+            del choice["structured"]
+    return event

@@ -45,7 +45,7 @@ class ChatTools:
                 parallel_tool_calls=body.parallel_tool_calls,
                 chat_template=tokenizer.chat_template,
             )
-            params = plan.sampling_params(params)
+            params = plan.sampling_params(params, options=body.structured_options())
         except ToolError as error:
             raise APIError(400, str(error), param=error.param, code="invalid_tools") from None
         messages, template_tools = plan.conversation(messages)
@@ -103,4 +103,6 @@ def _with_delta(
         "finish_reason": finish_reason,
         "logprobs": choice.get("logprobs") if logprobs else None,
     }
+    if finish_reason is None:  # the report rides on the chunk that finishes the choice only
+        new_choice.pop("structured", None)
     return {**chunk, "choices": [new_choice]}

@@ -44,6 +44,8 @@ INSIDE_ORDER = (
 _LOOKAHEAD = 12
 # A walk gives up past this many bytes: no completion of a sane budget is longer.
 MAX_WALK_BYTES = 1024
+# Forced tokens after one sampled token rarely run longer than this (see `BudgetCloser.near`).
+_MAX_FORCED = 64
 # Near the limit the completion is recomputed every token: within `2 * need + _WINDOW` tokens of it.
 _WINDOW = 16
 
@@ -224,10 +226,26 @@ class BudgetCloser:
         twin._next_check, twin._backoff = self._next_check, self._backoff
         return twin
 
-    def step(self, grammar: Grammar, scanner: JsonScanner, left: int, appended: Sequence[int]) -> bool:
-        """False when the engine should take `fallback` in place of `appended` (see the class)."""
+    def near(self, left: int) -> bool:
+        """Whether a step with `left` tokens left (less what is forced after the token) may compute a
+        completion, and so may need the caller's state from before the token to fall back to."""
+        return left - _MAX_FORCED <= self._next_check or self.plan is not None
+
+    def step(
+        self,
+        grammar: Grammar,
+        scanner: JsonScanner,
+        left: int,
+        appended: Sequence[int],
+        *,
+        same_string: bool = False,
+        can_fall_back: bool = True,
+    ) -> bool:
+        """False when the engine should take `fallback` in place of `appended` (see the class).
+        `same_string`: `appended` only added characters to the string that was open before it.
+        `can_fall_back`: the caller kept the state from before `appended` (see `near`)."""
         previous, self.plan = self.plan, None
-        self.fallback = previous
+        self.fallback = previous if can_fall_back else None
         n = len(appended)
         if previous is not None and previous[:n] == tuple(appended):
             # The model is writing the completion itself: the rest of it still fits.
@@ -236,22 +254,35 @@ class BudgetCloser:
             return True
         if left > self._next_check:
             return True
-        plan = shortest_completion(
-            grammar, self.tokens, scanner, max_bytes=min(MAX_WALK_BYTES, 16 * max(left, 0) + 16)
-        )
+        if same_string and previous and self._still_completes(grammar, previous):
+            # More characters in a string whose completion began by closing it: the same completion, no walk.
+            plan: Plan | None = previous
+        else:
+            plan = shortest_completion(
+                grammar, self.tokens, scanner, max_bytes=min(MAX_WALK_BYTES, 16 * max(left, 0) + 16)
+            )
         if plan is None:
             # No end found within reach: look again after a while, not at every token. While a fallback
             # exists the output cannot be shown to finish from here, so it is taken.
             self._backoff = min(64, 2 * self._backoff + 4)
             self._next_check = left - self._backoff
-            return previous is None
+            return self.fallback is None
         self._backoff = 0
         self.need = need = len(plan)
         if need > left:
             self._next_check = left  # keep looking: the model may close things itself
-            return previous is None
+            return self.fallback is None
         self.plan = plan
         slack = left - need
         # At every token near the limit; farther away, again once half the slack is gone.
         self._next_check = left if slack <= need + _WINDOW else max(need + slack // 2, 2 * need + _WINDOW)
         return True
+
+    def _still_completes(self, grammar: Grammar, plan: Plan) -> bool:
+        """`plan` starts by closing a string and still ends the output from the grammar's state."""
+        vocab = self.tokens.info.vocab
+        if not vocab[plan[0]].startswith(b'"') or not grammar.accept_tokens(plan):
+            return False
+        ends = can_end(grammar, self.tokens.eos)
+        grammar.rollback(len(plan))
+        return ends

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from structgen.structured.backend import Grammar
 from structgen.structured.closing import BudgetCloser, ByteTokens
-from structgen.structured.json_scan import JsonScanner
+from structgen.structured.json_scan import STRING, JsonScanner
 from structgen.structured.loop_guard import LoopGuard
 from structgen.structured.spec import StructuredSpec
 
@@ -73,7 +73,9 @@ class Finisher:
     def advance(self, grammar: Grammar, token_id: int, *, left: int | None, jump_forward: bool) -> Advance:
         """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
         take after it (None: no limit to close against). Accepts what it returns into the grammar."""
-        before = self.scanner.copy() if self.closer is not None and left is not None else None
+        closer = self.closer if left is not None else None
+        # The state to fall back to, kept only where the closer may look at this step (most steps it does not).
+        before = self.scanner.copy() if closer is not None and closer.near(left) else None
         start = self.scanner.offset
         appended = [token_id]
         self._accept(grammar, appended)
@@ -87,16 +89,21 @@ class Finisher:
                 appended += ended
                 if jump_forward:
                     appended += self._forced(grammar)
-        if before is None or self.closer is None or left is None:
+        if closer is None or left is None:
             return Advance(True, appended[1:])
         room = left - (len(appended) - 1)
-        if self.closer.step(grammar, self.scanner, room, appended):
+        same_string = (
+            before is not None and before.stack == self.scanner.stack and self.scanner.innermost == STRING
+        )
+        if closer.step(
+            grammar, self.scanner, room, appended, same_string=same_string, can_fall_back=before is not None
+        ):
             # Complete with no room left: end here (an accepting grammar may still allow more, e.g. a number).
-            end = room <= 0 and self.closer.plan == ()
+            end = room <= 0 and closer.plan == ()
             self.closed_at_budget |= end
             return Advance(True, appended[1:], end=end)
-        fallback = self.closer.fallback
-        assert fallback is not None
+        fallback = closer.fallback
+        assert fallback is not None and before is not None
         grammar.rollback(len(appended))
         self.scanner = before
         self._accept(grammar, list(fallback))

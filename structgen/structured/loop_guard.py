@@ -1,7 +1,7 @@
 """Ending the values a small model loops in: `"Sakura_2026_2026_2026…`, `["Sakura","Sakura","Sakura",…`.
 
 A grammar keeps every such output valid but cannot stop it: the loop runs until `max_tokens` and the output is
-cut. `LoopGuard` watches the tokens entering the grammar for a period of 1-16 tokens repeated back to back
+cut. `LoopGuard` watches the tokens entering the grammar for a period of 1-32 tokens repeated back to back
 (at least `MIN_REPEATS` times over at least `MIN_SPAN` tokens: what content does not do and degenerate loops do
 at once), finds the value the repetition sits in (the string or number it lies inside, else the innermost
 array whose items repeat) and ends that value by the closing walk (`closing.walk`): the string's quote, the
@@ -18,7 +18,7 @@ from structgen.structured.backend import Grammar
 from structgen.structured.closing import ByteTokens, walk
 from structgen.structured.json_scan import ARRAY, NUMBER, OBJECT, STRING, JsonScanner
 
-MAX_PERIOD = 16
+MAX_PERIOD = 32
 MIN_REPEATS = 4
 MIN_SPAN = 24
 DEFAULT_MAX_NUMBER_DIGITS = (
@@ -31,7 +31,7 @@ _MAX_END_BYTES = 64
 class LoopGuard:
     """Per sequence: fed every token that enters the grammar; says what to append to end a looping value."""
 
-    __slots__ = ("_offsets", "_runs", "_tokens", "max_number_digits", "tokens")
+    __slots__ = ("_offsets", "_quiet_until", "_tokens", "max_number_digits", "tokens")
 
     def __init__(self, tokens: ByteTokens, *, max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS):
         self.tokens = tokens
@@ -41,11 +41,12 @@ class LoopGuard:
     def reset(self) -> None:
         self._tokens: list[int] = []
         self._offsets: list[int] = []  # byte offset in the output where each token starts
-        self._runs = [0] * (MAX_PERIOD + 1)  # _runs[p]: tokens in a row equal to the one p before
+        self._quiet_until = 0  # after an ended loop, its tokens no longer count as a repetition
 
     def copy(self) -> LoopGuard:
         twin = LoopGuard(self.tokens, max_number_digits=self.max_number_digits)
-        twin._tokens, twin._offsets, twin._runs = list(self._tokens), list(self._offsets), list(self._runs)
+        twin._tokens, twin._offsets = list(self._tokens), list(self._offsets)
+        twin._quiet_until = self._quiet_until
         return twin
 
     def step(
@@ -56,10 +57,10 @@ class LoopGuard:
         vocab = self.tokens.info.vocab
         loop_start = None
         for token in new_tokens:
-            period = self._push(token, start)
+            span = self._push(token, start)
             start += len(vocab[token])
-            if period:
-                loop_start = self._offsets[len(self._tokens) - self._runs[period] - period]
+            if span and len(self._tokens) - span >= self._quiet_until:
+                loop_start = self._offsets[len(self._tokens) - span]
         depth = None
         skip = b""
         if loop_start is not None:
@@ -76,27 +77,25 @@ class LoopGuard:
         found = walk(grammar, self.tokens, scanner, max_bytes=_MAX_END_BYTES, until_depth=depth, skip=skip)
         if not found or not found[0]:
             return []
-        self._runs = [0] * (MAX_PERIOD + 1)  # the loop is over: count afresh
         for token in found[0]:
             self._push(token, start)
             start += len(vocab[token])
+        self._quiet_until = len(self._tokens)  # the loop is over: count afresh
         return found[0]
 
     def _push(self, token: int, offset: int) -> int:
-        """Append one token; returns the period of a loop it completes, or 0."""
-        history, runs = self._tokens, self._runs
+        """Append one token; returns the length of the looping stretch it completes (ending here), or 0."""
+        history = self._tokens
         history.append(token)
         self._offsets.append(offset)
         n = len(history)
-        found = 0
-        for p in range(1, min(MAX_PERIOD, n - 1) + 1):
-            if history[n - 1 - p] == token:
-                runs[p] += 1
-                if not found and runs[p] + p >= MIN_SPAN and runs[p] >= (MIN_REPEATS - 1) * p:
-                    found = p
-            else:
-                runs[p] = 0
-        return found
+        for p in range(1, min(MAX_PERIOD, n // MIN_REPEATS) + 1):
+            if history[n - 1 - p] != token:
+                continue  # most periods fail here, at one comparison
+            span = max(MIN_REPEATS * p, -(-MIN_SPAN // p) * p)
+            if span <= n and history[n - span + p :] == history[n - span : n - p]:
+                return span
+        return 0
 
 
 def _looping_value(scanner: JsonScanner, loop_start: int) -> int | None:

@@ -90,6 +90,11 @@ class StructuredRequest:
     def closed_at_budget(self) -> bool:
         return self.finisher is not None and self.finisher.closed_at_budget
 
+    def withdraw_closing(self) -> None:
+        """The closed output failed validation (a relaxed grammar): it is reported as cut, not closed."""
+        if self.finisher is not None:
+            self.finisher.closed_at_budget = False
+
     def jump_forward(self) -> list[int]:
         """Forced tokens, already accepted by the grammar: append them to the sequence without sampling."""
         grammar = self.start()

@@ -3,7 +3,7 @@ model's chat template — the prompt messages, the structured-output constraint,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -68,20 +68,25 @@ class ToolCallPlan:
             template_supports_tools=self.template_supports_tools,
         )
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The grammar the output is generated under; None with `tool_choice="none"`."""
+    def structured_outputs(self, **options: Any) -> StructuredOutputsParams | None:
+        """The grammar the output is generated under; None with `tool_choice="none"`. `options` are the other
+        `StructuredOutputsParams` fields (`close_at_budget`, `loop_guard`, `whitespace`, `strict`...)."""
         if not self.active:
             return None
         from structgen.structured import StructuredOutputsParams
 
-        return StructuredOutputsParams(grammar=tool_call_grammar(self.tools, self.choice, self.format))
+        grammar = tool_call_grammar(self.tools, self.choice, self.format)
+        return StructuredOutputsParams(grammar=grammar, **options)
 
-    def sampling_params(self, params: SamplingParams | None) -> SamplingParams:
-        """`params` constrained by this plan's grammar (a request cannot also carry its own constraint)."""
+    def sampling_params(
+        self, params: SamplingParams | None, *, options: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """`params` constrained by this plan's grammar (a request cannot also carry its own constraint), with
+        `options` (see `structured_outputs`) applied to it."""
         from structgen.sampling_params import SamplingParams
 
         params = params if params is not None else SamplingParams()
-        structured = self.structured_outputs()
+        structured = self.structured_outputs(**(options or {}))
         if structured is None:
             return params
         if params.structured_outputs is not None:

@@ -168,3 +168,26 @@ def test_loop_guard_leaves_outputs_without_loops_unchanged(make_engine: EngineFa
         else:
             guarded += 1
     assert off.structured.loops_ended == 0
+
+
+def test_a_relaxed_schema_never_returns_a_closed_output_that_fails_it(make_engine: EngineFactory) -> None:
+    """`not` is served relaxed and validated afterwards: where the shortest completion of the relaxed grammar
+    misses the schema, the output counts as cut ("length", invalid), never as a finished invalid output."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["tags"],
+        "not": {"properties": {"tags": {"maxItems": 0}}},
+    }
+    requests = {
+        f"r-{budget}-{seed}": _params(budget, seed, json=schema) for budget in (4, 9, 16) for seed in range(3)
+    }
+    outs = _run(make_engine, requests, stream=False)
+    for out in outs.values():
+        assert out.structured.path == "relaxed"
+        if out.finish_reason == "stop":
+            assert out.structured.valid is True
+            jsonschema.validate(json.loads(out.text), schema)
+        else:
+            assert out.finish_reason == "length"
+            assert out.structured.valid is not True and not out.structured.closed_at_budget

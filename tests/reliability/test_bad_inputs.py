@@ -139,6 +139,47 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
         400,
     ),
     ("seed string", "POST", CHAT, {"json": {"messages": MSG, "seed": "abc"}}, 400),
+    # OpenAI's ranges, checked before any work starts (the offline API keeps vLLM's wider ones).
+    ("temperature above two", "POST", CHAT, {"json": {"messages": MSG, "temperature": 2.5}}, 400),
+    ("temperature 50 without max_tokens", "POST", CHAT, {"json": {"messages": MSG, "temperature": 50}}, 400),
+    ("n above 128", "POST", CHAT, {"json": {"messages": MSG, "n": 129}}, 400),
+    (
+        "top_logprobs 21",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 21}},
+        400,
+    ),
+    (
+        "top_logprobs negative",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "logprobs": True, "top_logprobs": -1}},
+        400,
+    ),
+    ("presence_penalty above two", "POST", CHAT, {"json": {"messages": MSG, "presence_penalty": 2.5}}, 400),
+    (
+        "frequency_penalty below minus two",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "frequency_penalty": -3}},
+        400,
+    ),
+    # Strictly typed: never coerced to what the field wants.
+    ("stream string yes", "POST", CHAT, {"json": {"messages": MSG, "stream": "yes"}}, 400),
+    ("stream integer", "POST", CHAT, {"json": {"messages": MSG, "stream": 1}}, 400),
+    ("n numeric string", "POST", CHAT, {"json": {"messages": MSG, "n": "2"}}, 400),
+    ("max_tokens numeric string", "POST", CHAT, {"json": {"messages": MSG, "max_tokens": "10"}}, 400),
+    ("temperature numeric string", "POST", CHAT, {"json": {"messages": MSG, "temperature": "0.5"}}, 400),
+    ("logprobs string", "POST", CHAT, {"json": {"messages": MSG, "logprobs": "true"}}, 400),
+    ("ignore_eos string", "POST", CHAT, {"json": {"messages": MSG, "ignore_eos": "false"}}, 400),
+    (
+        "include_usage string",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "stream": True, "stream_options": {"include_usage": "yes"}}},
+        400,
+    ),
     ("stop wrong type", "POST", CHAT, {"json": {"messages": MSG, "stop": 12}}, 400),
     ("stream wrong type", "POST", CHAT, {"json": {"messages": MSG, "stream": {"on": True}}}, 400),
     (
@@ -234,6 +275,27 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
         {"json": {"messages": MSG, "structured_outputs": "json"}},
         400,
     ),
+    (
+        "structured_outputs close_at_budget string",
+        "POST",
+        CHAT,
+        {"json": _schema({"type": "object"}, structured_outputs={"close_at_budget": "yes"})},
+        400,
+    ),
+    (
+        "structured_outputs loop_guard number",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "structured_outputs": {"json_object": True, "loop_guard": 1}}},
+        400,
+    ),
+    (
+        "structured_outputs options without a constraint",
+        "POST",
+        CHAT,
+        {"json": {"messages": MSG, "structured_outputs": {"close_at_budget": False}}},
+        400,
+    ),
     # -- tools -------------------------------------------------------------------------------------------
     (
         "tool_choice names a missing tool",
@@ -307,12 +369,62 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
         400,
     ),
     ("completions echo with bad max", "POST", COMPLETIONS, {"json": {"prompt": "hi", "max_tokens": -3}}, 400),
+    ("completions logprobs 6", "POST", COMPLETIONS, {"json": {"prompt": "hi", "logprobs": 6}}, 400),
+    ("completions logprobs negative", "POST", COMPLETIONS, {"json": {"prompt": "hi", "logprobs": -1}}, 400),
+    ("completions echo string", "POST", COMPLETIONS, {"json": {"prompt": "hi", "echo": "true"}}, 400),
+    (
+        "completions max_tokens string",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": "hi", "max_tokens": "16"}},
+        400,
+    ),
     # -- routing and auth -------------------------------------------------------------------------------------
     ("unknown route", "POST", "/v1/embeddings", {"json": {"input": "x"}}, 404),
     ("wrong method", "GET", CHAT, {}, 405),
     ("no api key", "POST", CHAT, {"json": {"messages": MSG}, "auth": None}, 401),
     ("wrong api key", "POST", CHAT, {"json": {"messages": MSG}, "auth": "Bearer nope"}, 401),
 ]
+
+# The `param` a case's error must name (OpenAI names the offending field; clients show it).
+PARAMS = {
+    "n zero": "n",
+    "n huge": "n",
+    "n string": "n",
+    "max_tokens negative": "max_tokens",
+    "max_tokens float": "max_tokens",
+    "temperature negative": "temperature",
+    "temperature infinite": "temperature",
+    "temperature string": "temperature",
+    "top_p above one": "top_p",
+    "top_p zero": "top_p",
+    "top_logprobs huge": "top_logprobs",
+    "seed string": "seed",
+    "stop wrong type": "stop",
+    "stream wrong type": "stream",
+    "temperature above two": "temperature",
+    "temperature 50 without max_tokens": "temperature",
+    "n above 128": "n",
+    "top_logprobs 21": "top_logprobs",
+    "top_logprobs negative": "top_logprobs",
+    "presence_penalty above two": "presence_penalty",
+    "frequency_penalty below minus two": "frequency_penalty",
+    "stream string yes": "stream",
+    "stream integer": "stream",
+    "n numeric string": "n",
+    "max_tokens numeric string": "max_tokens",
+    "temperature numeric string": "temperature",
+    "logprobs string": "logprobs",
+    "ignore_eos string": "ignore_eos",
+    "include_usage string": "stream_options.include_usage",
+    "structured_outputs close_at_budget string": "structured_outputs.close_at_budget",
+    "structured_outputs loop_guard number": "structured_outputs.loop_guard",
+    "structured_outputs options without a constraint": "structured_outputs",
+    "completions logprobs 6": "logprobs",
+    "completions logprobs negative": "logprobs",
+    "completions echo string": "echo",
+    "completions max_tokens string": "max_tokens",
+}
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +452,7 @@ def _send(app: Any, method: str, path: str, kwargs: dict[str, Any]) -> httpx.Res
 def test_the_corpus_is_large_enough() -> None:
     assert len(CASES) >= 60
     assert len({case[0] for case in CASES}) == len(CASES)
+    assert set(PARAMS) <= {case[0] for case in CASES}
 
 
 @pytest.mark.parametrize(("name", "method", "path", "kwargs", "status"), CASES, ids=[c[0] for c in CASES])
@@ -355,6 +468,8 @@ def test_bad_input_gets_a_clean_4xx(
     message = body["error"]["message"]
     assert message and "Traceback" not in message and 'File "' not in message, message
     assert len(message) < 5000
+    if name in PARAMS:
+        assert body["error"]["param"] == PARAMS[name], body
     assert elapsed < 30, f"{name} took {elapsed:.1f} s"
 
 

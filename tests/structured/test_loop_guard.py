@@ -90,6 +90,36 @@ def test_an_array_whose_items_repeat_is_closed(
     assert output["attendees"][:2] == ["Amara", "Lukas"]
 
 
+def test_a_long_repeated_item_ends_its_array(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    """Items of ~20 tokens each, repeated exactly (what SmolLM2 does with order lines)."""
+    order = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"product": {"type": "string"}, "quantity": {"type": "integer"}},
+                    "required": ["product", "quantity"],
+                },
+            }
+        },
+        "required": ["items"],
+    }
+    run = Run(backends["llguidance"], byte_tokens, order)
+    item = '{"product":"Elliott ergonomic standing desk 2015","quantity":1},'
+    assert 16 < len(encode(item)) <= 32
+    run.feed(encode('{"items":['))
+    run.feed_until_guarded(encode(item))
+    assert run.finisher.loops_ended == 1
+    assert run.text().count("Elliott") <= 6
+    assert can_end(run.grammar, byte_tokens.eos) or byte_tokens.text(run.inserted[-1]).endswith(b"]")
+    run.feed(encode("}") if not can_end(run.grammar, byte_tokens.eos) else [])
+    jsonschema.validate(json.loads(run.text()), order)
+
+
 def test_a_runaway_number_is_ended(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:

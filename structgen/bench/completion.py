@@ -1,0 +1,366 @@
+"""Do structured outputs finish? Budget-aware closing and the loop guard, on and off, in the same run.
+
+    structgen bench completion [--model smollm2-135m] [--extraction N] [--bfcl-per-category K]
+                               [--max-tokens N] [--repeat R] [--json OUT] [--outputs OUT.jsonl]
+
+Two workloads, each generated twice through the offline engine with the same prompts, greedy: once with the
+defaults (closing and the loop guard on) and once with both switched off per request (what structgen did
+before):
+
+- extraction: N requests over three small strict schemas (a meeting with attendees, a contact, an order with
+  line items), prompts made here from fixed word lists (seeded), `max_tokens` 192 by default;
+- BFCL: K questions of each of the four BFCL v4 files under `../shared/data/bfcl/`, `tool_choice="required"`.
+
+Reported per workload and mode: outputs, finished ("stop"), truncated ("length"), valid (finished outputs that
+validate: `jsonschema` for extraction, every call naming a function of the question with valid arguments for
+BFCL), closed at the budget, loops ended, tokens and tokens/s. Targets: no truncated output where a completion
+fits the budget, 100% of finished outputs valid, and tokens/s with the features on >= 0.98x off. `--repeat R`
+alternates the modes R times and reports each pass, so drift on a shared machine shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from structgen.bench.tools import CATEGORIES, DEFAULT_BFCL, build_requests, load_questions
+
+MEETING = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "date": {"type": "string"},
+        "attendees": {"type": "array", "items": {"type": "string"}},
+        "room": {"type": "string"},
+    },
+    "required": ["title", "date", "attendees", "room"],
+    "additionalProperties": False,
+}
+CONTACT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string"},
+        "phone": {"type": "string"},
+        "company": {"type": "string"},
+        "role": {"enum": ["engineer", "manager", "sales", "other"]},
+    },
+    "required": ["name", "email", "company", "role"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "string"},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"product": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1}},
+                "required": ["product", "quantity"],
+                "additionalProperties": False,
+            },
+        },
+        "express": {"type": "boolean"},
+    },
+    "required": ["customer", "items", "express"],
+    "additionalProperties": False,
+}
+NAMES = [
+    "Amara",
+    "Lukas",
+    "Kai",
+    "Sakura",
+    "Mateo",
+    "Ines",
+    "Yusuf",
+    "Freya",
+    "Ravi",
+    "Chloe",
+    "Tomas",
+    "Leila",
+]
+SURNAMES = [
+    "Okafor",
+    "Schmidt",
+    "Tanaka",
+    "Silva",
+    "Novak",
+    "Haddad",
+    "Larsen",
+    "Mehta",
+    "Dubois",
+    "Kowalski",
+]
+COMPANIES = ["Acme Robotics", "Bluewave Labs", "Northwind Foods", "Helios Energy", "Quartz Analytics"]
+ROLES = ["software engineer", "engineering manager", "sales lead", "office assistant"]
+PRODUCTS = ["USB-C cable", "standing desk", "monitor arm", "ergonomic chair", "laptop stand", "webcam"]
+TOPICS = ["quarterly planning", "design review", "budget sync", "hiring committee", "launch retro"]
+ROOMS = ["Aurora", "Room 4B", "the Lisbon office", "Zoom", "Meeting room 12"]
+DAYS = ["Monday 3 March", "2026-04-14", "next Friday", "Tuesday the 9th", "June 21"]
+
+
+@dataclass(frozen=True, slots=True)
+class Extraction:
+    id: str
+    schema: dict[str, Any]
+    messages: list[dict[str, Any]]
+
+
+def extraction_requests(count: int, *, seed: int = 0) -> list[Extraction]:
+    """`count` extraction prompts spread over the three schemas, made from the word lists above."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        kind = i % 3
+        if kind == 0:
+            people = rng.sample(NAMES, rng.randint(2, 6))
+            text = (
+                f"Notes: the {rng.choice(TOPICS)} is on {rng.choice(DAYS)} in {rng.choice(ROOMS)}. "
+                f"Joining: {', '.join(people)}."
+            )
+            schema, what = MEETING, "the meeting (title, date, attendees, room)"
+        elif kind == 1:
+            first, last = rng.choice(NAMES), rng.choice(SURNAMES)
+            company = rng.choice(COMPANIES)
+            text = (
+                f"Hi, I'm {first} {last}, {rng.choice(ROLES)} at {company}. Reach me at "
+                f"{first.lower()}.{last.lower()}@{company.split()[0].lower()}.com or +1 555 01{rng.randint(10, 99)}."
+            )
+            schema, what = CONTACT, "the contact (name, email, phone, company, role)"
+        else:
+            lines = [f"{rng.randint(1, 5)} x {p}" for p in rng.sample(PRODUCTS, rng.randint(1, 4))]
+            express = rng.choice(["Please ship express.", "Standard shipping is fine."])
+            text = f"Order from {rng.choice(NAMES)} {rng.choice(SURNAMES)}: {'; '.join(lines)}. {express}"
+            schema, what = ORDER, "the order (customer, items with product and quantity, express)"
+        prompt = f"Extract {what} from this text as JSON.\n\n{text}"
+        out.append(Extraction(f"extract-{i}", schema, [{"role": "user", "content": prompt}]))
+    return out
+
+
+@dataclass(slots=True)
+class Tally:
+    outputs: int = 0
+    finished: int = 0
+    truncated: int = 0
+    valid: int = 0
+    closed_at_budget: int = 0
+    loops_ended: int = 0
+    errors: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, output: Any, valid: bool) -> None:
+        self.outputs += 1
+        self.tokens += len(output.token_ids)
+        report = output.structured
+        if report is not None:
+            self.closed_at_budget += bool(report.closed_at_budget)
+            self.loops_ended += report.loops_ended
+        if output.finish_reason == "length":
+            self.truncated += 1
+        elif output.finish_reason == "stop":
+            self.finished += 1
+            self.valid += valid
+        else:
+            self.errors += 1
+
+    def row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {
+            "valid_of_finished": self.valid / self.finished if self.finished else None,
+            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
+        }
+
+
+def _switched(params: Any, on: bool) -> Any:
+    """`params` with closing and the loop guard as the engine's defaults (on) or both off."""
+    if on:
+        return params
+    structured = dataclasses.replace(params.structured_outputs, close_at_budget=False, loop_guard=False)
+    return dataclasses.replace(params, structured_outputs=structured)
+
+
+def run_extraction(
+    llm: Any, requests: Sequence[Extraction], *, max_tokens: int, on: bool, report: list
+) -> Tally:
+    import jsonschema
+
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+    params = [
+        _switched(
+            SamplingParams(
+                temperature=0,
+                max_tokens=max_tokens,
+                structured_outputs=StructuredOutputsParams(json=r.schema),
+            ),
+            on,
+        )
+        for r in requests
+    ]
+    tally = Tally()
+    start = time.perf_counter()
+    results = llm.chat([r.messages for r in requests], params, use_tqdm=False)
+    tally.seconds = time.perf_counter() - start
+    for request, result in zip(requests, results, strict=True):
+        output = result.outputs[0]
+        valid = False
+        if output.finish_reason == "stop":
+            try:
+                jsonschema.validate(json.loads(output.text), request.schema)
+                valid = True
+            except (ValueError, jsonschema.ValidationError):
+                valid = False
+        tally.add(output, valid)
+        report.append(_record("extraction", request.id, on, output, valid))
+    return tally
+
+
+def run_bfcl(llm: Any, questions: Sequence[Any], *, max_tokens: int, on: bool, report: list) -> Tally:
+    from structgen.sampling_params import SamplingParams
+
+    base = SamplingParams(temperature=0, max_tokens=max_tokens)
+    requests, refused = build_requests(questions, llm.get_tokenizer(), base, constrained=True)
+    tally = Tally(errors=refused, outputs=refused)
+    start = time.perf_counter()
+    results = llm.generate(
+        [r.prompt for r in requests], [_switched(r.params, on) for r in requests], use_tqdm=False
+    )
+    tally.seconds = time.perf_counter() - start
+    for request, result in zip(requests, results, strict=True):
+        output = result.outputs[0]
+        parsed = request.plan.parse(output.text)
+        valid = bool(parsed.calls) and parsed.valid
+        tally.add(output, valid)
+        report.append(_record("bfcl", request.question.id, on, output, valid))
+    return tally
+
+
+def _record(workload: str, request_id: str, on: bool, output: Any, valid: bool) -> dict[str, Any]:
+    report = output.structured
+    return {
+        "workload": workload,
+        "id": request_id,
+        "features": on,
+        "finish_reason": output.finish_reason,
+        "valid": valid,
+        "closed_at_budget": bool(report and report.closed_at_budget),
+        "loops_ended": report.loops_ended if report else 0,
+        "tokens": len(output.token_ids),
+        "text": output.text,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="structgen bench completion", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--extraction", type=int, default=64, help="extraction requests (0: none)")
+    parser.add_argument("--bfcl", type=Path, default=DEFAULT_BFCL, help="the BFCL data folder")
+    parser.add_argument("--bfcl-per-category", type=int, default=16, help="BFCL questions per file (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--bfcl-max-tokens", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=1, help="passes of each mode, alternating")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
+    parser.add_argument("--outputs", type=Path, default=None, help="write every output here (JSON lines)")
+    args = parser.parse_args(argv)
+    use_bfcl = args.bfcl_per_category > 0
+    if use_bfcl and not (args.bfcl / "normalized_tools.jsonl").is_file():
+        print(
+            f"error: no BFCL data in {args.bfcl} (pass --bfcl DIR or --bfcl-per-category 0)", file=sys.stderr
+        )
+        return 2
+
+    import torch
+
+    from structgen.engine.llm import LLM
+    from structgen.structured import StructuredOutputConfig
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=32 * 1024,
+        structured=StructuredOutputConfig(compile_nice=0),
+    )
+    extraction = extraction_requests(args.extraction)
+    questions = load_questions(args.bfcl, per_category=args.bfcl_per_category) if use_bfcl else []
+    # Warm the compile cache and the kernels, so neither mode pays for them.
+    if extraction:
+        run_extraction(llm, extraction[:3], max_tokens=8, on=True, report=[])
+    report: list[dict[str, Any]] = []
+    passes: list[dict[str, Any]] = []
+    for _ in range(args.repeat):
+        for on in (False, True):
+            row: dict[str, Any] = {"features": "on" if on else "off"}
+            if extraction:
+                row["extraction"] = run_extraction(
+                    llm, extraction, max_tokens=args.max_tokens, on=on, report=report
+                ).row()
+            if questions:
+                row["bfcl"] = run_bfcl(
+                    llm, questions, max_tokens=args.bfcl_max_tokens, on=on, report=report
+                ).row()
+            passes.append(row)
+            _print_pass(row)
+    results = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "bfcl_max_tokens": args.bfcl_max_tokens,
+        "extraction_requests": len(extraction),
+        "bfcl_questions": len(questions),
+        "bfcl_categories": list(CATEGORIES) if questions else [],
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "passes": passes,
+        "throughput_on_over_off": _ratios(passes),
+    }
+    print("tokens/s, on / off:", json.dumps(results["throughput_on_over_off"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.outputs is not None:
+        args.outputs.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in report))
+    return 0
+
+
+def _ratios(passes: list[dict[str, Any]]) -> dict[str, list[float]]:
+    ratios: dict[str, list[float]] = {}
+    for off, on in zip(passes[::2], passes[1::2], strict=True):
+        for workload in ("extraction", "bfcl"):
+            if workload in on and off[workload]["tokens_per_s"]:
+                ratio = on[workload]["tokens_per_s"] / off[workload]["tokens_per_s"]
+                ratios.setdefault(workload, []).append(round(ratio, 3))
+    return ratios
+
+
+def _print_pass(row: dict[str, Any]) -> None:
+    columns = (
+        "outputs",
+        "finished",
+        "truncated",
+        "valid",
+        "closed_at_budget",
+        "loops_ended",
+        "tokens",
+        "tokens_per_s",
+    )
+    print(f"{'features ' + row['features']:<18}" + "".join(f"{c:>17}" for c in columns))
+    for workload in ("extraction", "bfcl"):
+        if workload in row:
+            print(f"  {workload:<16}" + "".join(f"{row[workload][c]!s:>17}" for c in columns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
