@@ -25,6 +25,7 @@ import dataclasses
 import json
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -270,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--bfcl-max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=1, help="passes of each mode, alternating")
+    parser.add_argument("--overhead-repeat", type=int, default=4, help="off/on pairs of the same-outputs run")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
@@ -292,14 +294,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm = LLM(
         args.model,
         max_num_seqs=args.max_num_seqs,
-        kv_cache_tokens=32 * 1024,
+        kv_cache_tokens=64 * 1024,  # every prompt stays in the prefix cache: no pass is colder than another
         structured=StructuredOutputConfig(compile_nice=0),
     )
     extraction = extraction_requests(args.extraction)
     questions = load_questions(args.bfcl, per_category=args.bfcl_per_category) if use_bfcl else []
-    # Warm the compile cache and the kernels, so neither mode pays for them.
+    # Warm the compile cache, the kernels and the prefix cache (every prompt once), so neither mode pays for them.
     if extraction:
-        run_extraction(llm, extraction[:3], max_tokens=8, on=True, report=[])
+        run_extraction(llm, extraction, max_tokens=1, on=True, report=[])
+    if questions:
+        run_bfcl(llm, questions, max_tokens=1, on=True, report=[])
     report: list[dict[str, Any]] = []
     passes: list[dict[str, Any]] = []
     for _ in range(args.repeat):
@@ -315,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ).row()
             passes.append(row)
             _print_pass(row)
+    overhead = _overhead(llm, extraction, report, max_tokens=args.max_tokens, repeat=args.overhead_repeat)
     results = {
         "model": args.model,
         "max_tokens": args.max_tokens,
@@ -326,13 +331,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "passes": passes,
         "throughput_on_over_off": _ratios(passes),
+        "overhead": overhead,
     }
     print("tokens/s, on / off:", json.dumps(results["throughput_on_over_off"]))
+    if overhead:
+        print(
+            f"same outputs ({overhead['requests']} requests, identical on and off: {overhead['identical']}): "
+            f"tokens/s on / off {overhead['ratios']}, median {overhead['median']}"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.outputs is not None:
         args.outputs.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in report))
     return 0
+
+
+def _overhead(
+    llm: Any, extraction: Sequence[Extraction], report: list[dict[str, Any]], *, max_tokens: int, repeat: int
+) -> dict[str, Any] | None:
+    """What the features cost per token where they change nothing: the extraction requests whose outputs were
+    the same on and off (they finished on their own, no loop), four copies of each so batches stay full, run
+    off and on alternately. Their tokens/s ratio is the throughput cost; the outputs must match."""
+    texts: dict[tuple[str, bool], str] = {}
+    finished: set[str] = set()
+    for record in report:
+        if record["workload"] == "extraction":
+            texts.setdefault((record["id"], record["features"]), record["text"])
+            if record["finish_reason"] == "stop" and not record["features"]:
+                finished.add(record["id"])
+    same = [r for r in extraction if r.id in finished and texts.get((r.id, True)) == texts.get((r.id, False))]
+    if not same:
+        return None
+    copies = [r for r in same for _ in range(4)]
+    run_extraction(llm, copies, max_tokens=max_tokens, on=False, report=[])  # warm, as the passes before
+    ratios, identical = [], True
+    for i in range(repeat):
+        rows, texts_by_mode = {}, {}
+        # Alternate which mode goes first, so drift on the machine does not favour one.
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            outputs: list[dict[str, Any]] = []
+            rows[on] = run_extraction(llm, copies, max_tokens=max_tokens, on=on, report=outputs)
+            texts_by_mode[on] = [o["text"] for o in outputs]
+        identical &= texts_by_mode[True] == texts_by_mode[False]
+        ratios.append(
+            round(rows[True].tokens / rows[True].seconds / (rows[False].tokens / rows[False].seconds), 3)
+        )
+    return {
+        "requests": len(copies),
+        "identical": identical,
+        "ratios": ratios,
+        "median": round(statistics.median(ratios), 3),
+    }
 
 
 def _ratios(passes: list[dict[str, Any]]) -> dict[str, list[float]]:

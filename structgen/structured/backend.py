@@ -56,6 +56,11 @@ class Grammar(ABC):
     def find_jump_forward(self) -> list[int]:
         """Tokens the grammar forces next (canonically tokenized), to append without sampling; may be []."""
 
+    def forced_bytes(self) -> bytes | None:
+        """The bytes the grammar forces next, where the backend tells them without tokenizing (None: use
+        `find_jump_forward`)."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Back to the initial state."""

@@ -6,19 +6,24 @@ ends JSON values soonest: close the open string (`"`), object (`}`) or array (`]
 (`0`, `""`, `true`, `null`) or the separator towards the required members still missing (`,`). It never
 assumes a schema: the grammar decides at every byte, so what it returns is a valid completion of any backend's
 grammar (JSON Schema, `json_object`, the tool-call grammars with their embedded schemas), or None when the walk
-finds no end within its byte limit (a pattern that the order cannot satisfy, say). The walk's bytes are then
-tokenized canonically, which is what the budget is counted in.
+finds no end within its byte limit (a pattern that the order cannot satisfy, say). Inside strings and numbers,
+where a filler could go on forever, it prefers a filler after which the value may end, else the one it used
+least in that value (so `"a@a"` for an e-mail, `"1023-10-21"` for a date). The walk's bytes are then tokenized
+canonically, which is what the budget is counted in.
 
 `BudgetCloser` decides, token by token, when a sequence must take that completion: it keeps the completion of
 the current state whenever the tokens left come near what it needs, and when a sampled token would leave less
 room than the completion from after it needs, the engine drops that token and appends the completion from
-before it instead (which was checked to fit). Far from the limit it looks again only as the slack halves, so
-outputs that finish on their own pay almost nothing.
+before it instead (checked to fit). Far from the limit it looks again only as the slack halves, and inside a
+string it reuses the last completion when that still ends the output, so outputs that finish on their own pay
+almost nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from structgen.structured.backend import Grammar
 from structgen.structured.json_scan import NUMBER, STRING, JsonScanner
@@ -40,12 +45,12 @@ OUTSIDE_ORDER = (
 INSIDE_ORDER = (
     _INSIDE + bytes(b for b in _ALNUM + _PRINTABLE if b not in _INSIDE and b != ord("\\")) + _CONTINUATION
 )
+# Fillers are tried first among this many of the order (letters, digits and the usual punctuation), then the rest.
+_COMMON = 64
 # Inside a string or number, this many fillers are tried for whether the value may end right after them.
 _LOOKAHEAD = 12
 # A walk gives up past this many bytes: no completion of a sane budget is longer.
 MAX_WALK_BYTES = 1024
-# Forced tokens after one sampled token rarely run longer than this (see `BudgetCloser.near`).
-_MAX_FORCED = 64
 # Near the limit the completion is recomputed every token: within `2 * need + _WINDOW` tokens of it.
 _WINDOW = 16
 
@@ -64,6 +69,7 @@ class ByteTokens:
         for token_id, raw in enumerate(info.vocab):
             if len(raw) == 1 and token_id not in special and raw[0] not in by_byte:
                 by_byte[raw[0]] = token_id
+        self.by_byte = by_byte
         self.outside = [(b, by_byte[b]) for b in dict.fromkeys(OUTSIDE_ORDER) if b in by_byte]
         self.inside = [(b, by_byte[b]) for b in dict.fromkeys(INSIDE_ORDER) if b in by_byte]
         # What ends a string; what may follow (and so end) a number.
@@ -110,7 +116,7 @@ def walk(
             if len(out) >= max_bytes:
                 return None
             # Forced tokens may run past an `until_depth` point: a bounded walk goes byte by byte.
-            step = grammar.find_jump_forward() if until_depth is None else []
+            step = _forced(grammar, tokens) if until_depth is None else []
             if not step:
                 choice = _choose(
                     grammar, tokens, context=scan.innermost, walked=_value_bytes(out, scan, base), skip=skip
@@ -127,6 +133,18 @@ def walk(
     finally:
         if accepted:
             grammar.rollback(len(accepted))
+
+
+def _forced(grammar: Grammar, tokens: ByteTokens) -> list[int]:
+    """The tokens the grammar forces next: its forced bytes as single-byte tokens where the backend reports
+    bytes (no tokenizer call; the walk is re-tokenized at the end anyway), else its jump-forward tokens."""
+    forced = grammar.forced_bytes()
+    if forced is None:
+        return grammar.find_jump_forward()
+    by_byte = tokens.by_byte
+    if all(b in by_byte for b in forced):
+        return [by_byte[b] for b in forced]
+    return grammar.find_jump_forward()
 
 
 def _value_bytes(out: bytearray, scan: JsonScanner, base: int) -> bytes:
@@ -150,14 +168,20 @@ def _choose(
             if byte not in skip and grammar.validate_tokens((token,)) == 1:
                 return byte, token
         return None
-    allowed: list[tuple[int, int]] = []
     for byte, token in order:
-        if byte in skip or grammar.validate_tokens((token,)) != 1:
-            continue
-        if token in ends:
+        if token in ends and byte not in skip and grammar.validate_tokens((token,)) == 1:
             return byte, token
-        allowed.append((byte, token))
-    if not allowed:
+    # The fillers allowed: the common ones first; the rest of the order only where none of those is.
+    allowed: list[tuple[int, int]] = []
+    for part in (order[:_COMMON], order[_COMMON:]):
+        allowed = [
+            (byte, token)
+            for byte, token in part
+            if byte not in skip and token not in ends and grammar.validate_tokens((token,)) == 1
+        ]
+        if allowed:
+            break
+    else:
         return None
     for byte, token in allowed[:_LOOKAHEAD]:
         if grammar.accept_tokens((token,)):
@@ -170,6 +194,36 @@ def _choose(
 
 
 Plan = tuple[int, ...]  # the tokens of a completion
+
+
+def _schedule(left: int, need: int) -> int:
+    """When to look next (the tokens left at that point): at every token near the limit; farther away, once
+    half the slack is gone."""
+    slack = left - need
+    return left if slack <= need + _WINDOW else max(need + slack // 2, 2 * need + _WINDOW)
+
+
+_INITIAL_NEED: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
+_INITIAL_NEED_SIZE = 1024
+
+
+def initial_need(tokens: ByteTokens, key: tuple[Any, ...], new_grammar: Callable[[], Grammar]) -> int | None:
+    """Tokens of the shortest complete output of a grammar (cached by `key`): what every request under it
+    needs at its start, so requests do not each walk it."""
+    key = (tokens.info.tokenizer_id, *key)
+    if key in _INITIAL_NEED:
+        _INITIAL_NEED.move_to_end(key)
+        return _INITIAL_NEED[key]
+    plan = shortest_completion(new_grammar(), tokens, JsonScanner())
+    _INITIAL_NEED[key] = need = None if plan is None else len(plan)
+    while len(_INITIAL_NEED) > _INITIAL_NEED_SIZE:
+        _INITIAL_NEED.popitem(last=False)
+    return need
+
+
+def _max_bytes(left: int) -> int:
+    # No token is longer than this many bytes of a completion walk in practice: a longer walk cannot fit.
+    return min(MAX_WALK_BYTES, 16 * max(left, 0) + 16)
 
 
 def canonical(grammar: Grammar, tokens: ByteTokens, walked: list[int], text: bytes) -> Plan:
@@ -199,15 +253,16 @@ def shortest_completion(
 class BudgetCloser:
     """Per sequence: keeps the completion of the current grammar state while the budget is near.
 
-    The engine calls `step(grammar, left, appended)` after each sampled token (with whatever was forced after
-    it) has entered the grammar, with the tokens still allowed after them. It returns False when the output can
-    no longer be shown to finish within `left`; `fallback` is then the completion from just before that token,
-    which fit: the engine rolls the token back and appends the fallback instead. With no fallback (the limit
-    was never reachable, or the state before was not checked) the output goes on and `max_tokens` cuts it as
-    it always did.
+    The engine calls `step(grammar, scanner, left, appended)` after each sampled token (with whatever was
+    forced after it) has entered the grammar, with the tokens still allowed after them. It returns False when
+    the output can no longer be shown to finish within `left`: the engine then rolls the token back and
+    appends the completion from before it instead, `fallback` where the closer had it, else computed then
+    (`completion_within`: a token that opened much at once, like a tool call's forced head, can take the
+    output past its budget between two looks). Where even that does not fit, the output goes on and
+    `max_tokens` cuts it as it always did.
     """
 
-    __slots__ = ("_backoff", "_next_check", "fallback", "need", "plan", "tokens")
+    __slots__ = ("_backoff", "_next_check", "_started", "fallback", "need", "plan", "tokens")
 
     def __init__(self, tokens: ByteTokens):
         self.tokens = tokens
@@ -219,64 +274,67 @@ class BudgetCloser:
         self.need: int | None = None  # tokens of the last completion computed
         self._next_check = 1 << 62  # compute once the tokens left fall to this (the first step: at once)
         self._backoff = 0
+        self._started = False
+
+    def expect(self, need: int | None) -> None:
+        """The completion the grammar needs from its start (`initial_need`): the first step then schedules its
+        first look from it instead of walking at once."""
+        self.need = need
 
     def copy(self) -> BudgetCloser:
         twin = BudgetCloser(self.tokens)
         twin.plan, twin.fallback, twin.need = self.plan, self.fallback, self.need
-        twin._next_check, twin._backoff = self._next_check, self._backoff
+        twin._next_check, twin._backoff, twin._started = self._next_check, self._backoff, self._started
         return twin
 
-    def near(self, left: int) -> bool:
-        """Whether a step with `left` tokens left (less what is forced after the token) may compute a
-        completion, and so may need the caller's state from before the token to fall back to."""
-        return left - _MAX_FORCED <= self._next_check or self.plan is not None
-
     def step(
-        self,
-        grammar: Grammar,
-        scanner: JsonScanner,
-        left: int,
-        appended: Sequence[int],
-        *,
-        same_string: bool = False,
-        can_fall_back: bool = True,
+        self, grammar: Grammar, scanner: JsonScanner, left: int, appended: Sequence[int], *, same_string: bool
     ) -> bool:
-        """False when the engine should take `fallback` in place of `appended` (see the class).
-        `same_string`: `appended` only added characters to the string that was open before it.
-        `can_fall_back`: the caller kept the state from before `appended` (see `near`)."""
+        """False when the output can no longer be shown to finish within `left` (see the class); `fallback` is
+        then the completion from before `appended` if it was computed, else None. `same_string`: `appended`
+        only added characters to the string that was open before it."""
         previous, self.plan = self.plan, None
-        self.fallback = previous if can_fall_back else None
+        self.fallback = previous
         n = len(appended)
         if previous is not None and previous[:n] == tuple(appended):
             # The model is writing the completion itself: the rest of it still fits.
             self.plan = previous[n:]
             self.need = len(self.plan)
             return True
+        if not self._started:
+            self._started = True
+            if self.need is not None:
+                self._next_check = _schedule(left, self.need)
         if left > self._next_check:
             return True
         if same_string and previous and self._still_completes(grammar, previous):
             # More characters in a string whose completion began by closing it: the same completion, no walk.
             plan: Plan | None = previous
         else:
-            plan = shortest_completion(
-                grammar, self.tokens, scanner, max_bytes=min(MAX_WALK_BYTES, 16 * max(left, 0) + 16)
-            )
+            plan = shortest_completion(grammar, self.tokens, scanner, max_bytes=_max_bytes(left))
         if plan is None:
-            # No end found within reach: look again after a while, not at every token. While a fallback
-            # exists the output cannot be shown to finish from here, so it is taken.
-            self._backoff = min(64, 2 * self._backoff + 4)
-            self._next_check = left - self._backoff
-            return self.fallback is None
+            # No end found within reach: look again after a while, not at every token.
+            self.back_off(left)
+            return False
         self._backoff = 0
         self.need = need = len(plan)
         if need > left:
             self._next_check = left  # keep looking: the model may close things itself
-            return self.fallback is None
+            return False
         self.plan = plan
-        slack = left - need
-        # At every token near the limit; farther away, again once half the slack is gone.
-        self._next_check = left if slack <= need + _WINDOW else max(need + slack // 2, 2 * need + _WINDOW)
+        self._next_check = _schedule(left, need)
         return True
+
+    def back_off(self, left: int) -> None:
+        """Nothing to close with from here: skip a growing number of tokens before the next try."""
+        self._backoff = min(64, 2 * self._backoff + 4)
+        self._next_check = left - self._backoff
+
+    def completion_within(self, grammar: Grammar, scanner: JsonScanner, left: int) -> Plan | None:
+        """The completion from the grammar's state if it takes at most `left` tokens (the fallback computed
+        late, when the state before a token was not checked)."""
+        plan = shortest_completion(grammar, self.tokens, scanner, max_bytes=_max_bytes(left))
+        return plan if plan is not None and len(plan) <= left else None
 
     def _still_completes(self, grammar: Grammar, plan: Plan) -> bool:
         """`plan` starts by closing a string and still ends the output from the grammar's state."""

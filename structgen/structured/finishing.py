@@ -10,10 +10,12 @@ for on any other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from structgen.structured.backend import Grammar
-from structgen.structured.closing import BudgetCloser, ByteTokens
+from structgen.structured.closing import BudgetCloser, ByteTokens, initial_need
 from structgen.structured.json_scan import STRING, JsonScanner
 from structgen.structured.loop_guard import LoopGuard
 from structgen.structured.spec import StructuredSpec
@@ -66,6 +68,11 @@ class Finisher:
         self.closed_at_budget = False
         self.loops_ended = 0
 
+    def prepare(self, key: tuple[Any, ...], new_grammar: Callable[[], Grammar]) -> None:
+        """Before the first token: what the grammar (`key` names it) needs to finish from its start."""
+        if self.closer is not None:
+            self.closer.expect(initial_need(self.tokens, key, new_grammar))
+
     def entered(self, token_ids: list[int]) -> None:
         """Tokens the grammar accepted (sampled or forced), in order."""
         self.scanner.feed(self.tokens.text(token_ids))
@@ -74,8 +81,7 @@ class Finisher:
         """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
         take after it (None: no limit to close against). Accepts what it returns into the grammar."""
         closer = self.closer if left is not None else None
-        # The state to fall back to, kept only where the closer may look at this step (most steps it does not).
-        before = self.scanner.copy() if closer is not None and closer.near(left) else None
+        before = self.scanner.copy() if closer is not None else None  # the state to fall back to
         start = self.scanner.offset
         appended = [token_id]
         self._accept(grammar, appended)
@@ -89,23 +95,27 @@ class Finisher:
                 appended += ended
                 if jump_forward:
                     appended += self._forced(grammar)
-        if closer is None or left is None:
+        if closer is None or before is None or left is None:
             return Advance(True, appended[1:])
         room = left - (len(appended) - 1)
-        same_string = (
-            before is not None and before.stack == self.scanner.stack and self.scanner.innermost == STRING
-        )
-        if closer.step(
-            grammar, self.scanner, room, appended, same_string=same_string, can_fall_back=before is not None
-        ):
+        same_string = before.stack == self.scanner.stack and self.scanner.innermost == STRING
+        if closer.step(grammar, self.scanner, room, appended, same_string=same_string):
             # Complete with no room left: end here (an accepting grammar may still allow more, e.g. a number).
             end = room <= 0 and closer.plan == ()
             self.closed_at_budget |= end
             return Advance(True, appended[1:], end=end)
-        fallback = closer.fallback
-        assert fallback is not None and before is not None
+        after = self.scanner
         grammar.rollback(len(appended))
         self.scanner = before
+        fallback = closer.fallback
+        if fallback is None:
+            fallback = closer.completion_within(grammar, before, left + 1)
+        if fallback is None:
+            # No completion fits from before the token either: go on, to be cut by `max_tokens` as before.
+            self._accept(grammar, appended)
+            self.scanner = after
+            closer.back_off(room)
+            return Advance(True, appended[1:])
         self._accept(grammar, list(fallback))
         self.closed_at_budget = True
         return Advance(False, list(fallback), end=True)

@@ -119,6 +119,11 @@ class LLGuidanceGrammar(Grammar):
             return []
         return list(self._matcher.compute_ff_tokens())
 
+    def forced_bytes(self) -> bytes | None:
+        if self._matcher.is_stopped():
+            return b""
+        return bytes(self._matcher.compute_ff_bytes())
+
     def reset(self) -> None:
         self._matcher.reset()
         self._eos_after_stop = 0

@@ -51,8 +51,10 @@ class StructuredRequest:
     def start(self) -> Grammar:
         """The request's grammar; raises the compile error (UnsupportedSchemaError, CompileTimeoutError...)."""
         if self.grammar is None:
-            self.compiled = self.future.result()
-            self.grammar = self.compiled.new_grammar()
+            self.compiled = compiled = self.future.result()
+            self.grammar = compiled.new_grammar()
+            if self.finisher is not None:
+                self.finisher.prepare((compiled.backend, *compiled.spec.key), compiled.new_grammar)
         return self.grammar
 
     def fork(self) -> StructuredRequest:

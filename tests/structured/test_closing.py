@@ -153,14 +153,14 @@ def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
     word = encode("hello")
     assert grammar.accept_tokens(word)
     scanner.feed(byte_tokens.text(word))
-    assert closer.step(grammar, scanner, 10, word)
+    assert closer.step(grammar, scanner, 10, word, same_string=False)
     assert closer.plan is not None and byte_tokens.text(list(closer.plan)) == b'"}'
     need = len(closer.plan)
     # A token after which the completion no longer fits: the step fails and the fallback is the one above.
     more = encode(" world")
     assert grammar.accept_tokens(more)
     scanner.feed(byte_tokens.text(more))
-    assert not closer.step(grammar, scanner, need - 1, more)
+    assert not closer.step(grammar, scanner, need - 1, more, same_string=False)
     assert closer.fallback is not None and byte_tokens.text(list(closer.fallback)) == b'"}'
 
 
@@ -174,11 +174,30 @@ def test_closer_follows_the_model_writing_the_completion(
     start = encode('{"s":"x')
     assert grammar.accept_tokens(start)
     scanner.feed(byte_tokens.text(start))
-    assert closer.step(grammar, scanner, 3, start)
+    assert closer.step(grammar, scanner, 3, start, same_string=False)
     plan = closer.plan
     assert plan is not None
     first = [plan[0]]
     assert grammar.accept_tokens(first)
     scanner.feed(byte_tokens.text(first))
-    assert closer.step(grammar, scanner, 2, first)
+    assert closer.step(grammar, scanner, 2, first, same_string=False)
     assert closer.plan == plan[1:]
+
+
+def test_forced_bytes_are_the_jump_forward_text(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    """llguidance reports forced bytes directly (the walk's fast path); they spell what jump-forward forces."""
+    grammar = _compile(backends["llguidance"], PERSON)
+    text = json.dumps(PERSON_OUTPUT, separators=(",", ":"), ensure_ascii=False)
+    ids = encode(text)
+    seen = 0
+    for cut in range(len(ids)):
+        grammar.reset()
+        assert grammar.accept_tokens(ids[:cut])
+        forced = grammar.forced_bytes()
+        assert forced is not None
+        tokens = grammar.find_jump_forward()
+        assert forced.startswith(byte_tokens.text(tokens))  # the last token may be held back
+        seen += bool(forced)
+    assert seen > 5
