@@ -15,7 +15,9 @@ Reported per workload and mode: outputs, finished ("stop"), truncated ("length")
 validate: `jsonschema` for extraction, every call naming a function of the question with valid arguments for
 BFCL), closed at the budget, loops ended, tokens and tokens/s. Targets: no truncated output where a completion
 fits the budget, 100% of finished outputs valid, and tokens/s with the features on >= 0.98x off. `--repeat R`
-alternates the modes R times and reports each pass, so drift on a shared machine shows.
+runs R pairs of passes, alternating which mode goes first, and reports each pass and the median ratio. A last
+phase measures the cost where the features change nothing: the extraction requests whose outputs were the same
+on and off, four copies each, run off and on in alternation (`--overhead-repeat` pairs).
 """
 
 from __future__ import annotations
@@ -148,6 +150,34 @@ def extraction_requests(count: int, *, seed: int = 0) -> list[Extraction]:
     return out
 
 
+class AdvanceTimer:
+    """Times `StructuredRequest.advance` (the grammar's side of every sampled token: accept, jump-forward, and
+    with the features the loop guard and the closing) in this process: what the features add per token,
+    measured apart from the machine's noise, which on shared cores swings whole passes by 10%."""
+
+    def __init__(self) -> None:
+        from structgen.structured.request import StructuredRequest
+
+        self.seconds = 0.0
+        self.calls = 0
+        original = StructuredRequest.advance
+        timer = self
+
+        def timed(request: Any, token_id: int, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(request, token_id, **kwargs)
+            finally:
+                timer.seconds += time.perf_counter() - start
+                timer.calls += 1
+
+        StructuredRequest.advance = timed  # type: ignore[method-assign]
+
+    def take(self) -> tuple[float, int]:
+        seconds, calls, self.seconds, self.calls = self.seconds, self.calls, 0.0, 0
+        return seconds, calls
+
+
 @dataclass(slots=True)
 class Tally:
     outputs: int = 0
@@ -159,6 +189,8 @@ class Tally:
     errors: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    advance_seconds: float = 0.0  # in `StructuredRequest.advance` (see AdvanceTimer)
+    advance_calls: int = 0
 
     def add(self, output: Any, valid: bool) -> None:
         self.outputs += 1
@@ -179,7 +211,18 @@ class Tally:
         return dataclasses.asdict(self) | {
             "valid_of_finished": self.valid / self.finished if self.finished else None,
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
+            "advance_us_per_token": round(1e6 * self.advance_seconds / self.advance_calls, 2)
+            if self.advance_calls
+            else None,
+            "advance_share": round(self.advance_seconds / self.seconds, 4) if self.seconds else None,
         }
+
+
+_TIMERS: list[AdvanceTimer] = []  # installed by `main` (it patches the class: once per process)
+
+
+def _take_advance_time() -> tuple[float, int]:
+    return _TIMERS[0].take() if _TIMERS else (0.0, 0)
 
 
 def _switched(params: Any, on: bool) -> Any:
@@ -211,8 +254,10 @@ def run_extraction(
     ]
     tally = Tally()
     start = time.perf_counter()
+    _take_advance_time()
     results = llm.chat([r.messages for r in requests], params, use_tqdm=False)
     tally.seconds = time.perf_counter() - start
+    tally.advance_seconds, tally.advance_calls = _take_advance_time()
     for request, result in zip(requests, results, strict=True):
         output = result.outputs[0]
         valid = False
@@ -234,10 +279,12 @@ def run_bfcl(llm: Any, questions: Sequence[Any], *, max_tokens: int, on: bool, r
     requests, refused = build_requests(questions, llm.get_tokenizer(), base, constrained=True)
     tally = Tally(errors=refused, outputs=refused)
     start = time.perf_counter()
+    _take_advance_time()
     results = llm.generate(
         [r.prompt for r in requests], [_switched(r.params, on) for r in requests], use_tqdm=False
     )
     tally.seconds = time.perf_counter() - start
+    tally.advance_seconds, tally.advance_calls = _take_advance_time()
     for request, result in zip(requests, results, strict=True):
         output = result.outputs[0]
         parsed = request.plan.parse(output.text)
@@ -271,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--bfcl-max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=1, help="passes of each mode, alternating")
-    parser.add_argument("--overhead-repeat", type=int, default=4, help="off/on pairs of the same-outputs run")
+    parser.add_argument("--overhead-repeat", type=int, default=6, help="off/on pairs of the same-outputs run")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
@@ -291,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    _TIMERS.append(AdvanceTimer())
     llm = LLM(
         args.model,
         max_num_seqs=args.max_num_seqs,
@@ -299,15 +347,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     extraction = extraction_requests(args.extraction)
     questions = load_questions(args.bfcl, per_category=args.bfcl_per_category) if use_bfcl else []
-    # Warm the compile cache, the kernels and the prefix cache (every prompt once), so neither mode pays for them.
+    # One unmeasured pass of each workload warms what the first measured pass would otherwise pay for alone:
+    # the compile cache, llguidance's lazily built lexers, the kernels and the prefix cache.
     if extraction:
-        run_extraction(llm, extraction, max_tokens=1, on=True, report=[])
+        run_extraction(llm, extraction, max_tokens=args.max_tokens, on=True, report=[])
     if questions:
-        run_bfcl(llm, questions, max_tokens=1, on=True, report=[])
+        run_bfcl(llm, questions, max_tokens=args.bfcl_max_tokens, on=True, report=[])
     report: list[dict[str, Any]] = []
     passes: list[dict[str, Any]] = []
-    for _ in range(args.repeat):
-        for on in (False, True):
+    for i in range(args.repeat):
+        # Alternate which mode goes first, so drift on a shared machine does not favour one.
+        for on in (False, True) if i % 2 == 0 else (True, False):
             row: dict[str, Any] = {"features": "on" if on else "off"}
             if extraction:
                 row["extraction"] = run_extraction(
@@ -384,14 +434,16 @@ def _overhead(
     }
 
 
-def _ratios(passes: list[dict[str, Any]]) -> dict[str, list[float]]:
-    ratios: dict[str, list[float]] = {}
-    for off, on in zip(passes[::2], passes[1::2], strict=True):
+def _ratios(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """tokens/s on / off for each pair of passes, and their median."""
+    ratios: dict[str, Any] = {}
+    for first, second in zip(passes[::2], passes[1::2], strict=True):
+        on, off = (first, second) if first["features"] == "on" else (second, first)
         for workload in ("extraction", "bfcl"):
             if workload in on and off[workload]["tokens_per_s"]:
                 ratio = on[workload]["tokens_per_s"] / off[workload]["tokens_per_s"]
                 ratios.setdefault(workload, []).append(round(ratio, 3))
-    return ratios
+    return ratios | {f"{w}_median": round(statistics.median(r), 3) for w, r in list(ratios.items())}
 
 
 def _print_pass(row: dict[str, Any]) -> None:

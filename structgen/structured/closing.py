@@ -337,10 +337,8 @@ class BudgetCloser:
         return plan if plan is not None and len(plan) <= left else None
 
     def _still_completes(self, grammar: Grammar, plan: Plan) -> bool:
-        """`plan` starts by closing a string and still ends the output from the grammar's state."""
-        vocab = self.tokens.info.vocab
-        if not vocab[plan[0]].startswith(b'"') or not grammar.accept_tokens(plan):
+        """`plan` starts by closing a string and still ends the output from the grammar's state (one check:
+        the grammar takes the plan and then EOS)."""
+        if not self.tokens.info.vocab[plan[0]].startswith(b'"'):
             return False
-        ends = can_end(grammar, self.tokens.eos)
-        grammar.rollback(len(plan))
-        return ends
+        return grammar.validate_tokens((*plan, self.tokens.eos)) == len(plan) + 1
