@@ -88,11 +88,14 @@ class Finisher:
         if jump_forward:
             appended += self._forced(grammar)
         if self.guard is not None:
-            ended = self.guard.step(grammar, self.scanner, appended, start)
-            if ended:
+            room = None if left is None else left - (len(appended) - 1)
+            ended, output_ends = self.guard.step(grammar, self.scanner, appended, start, room=room)
+            if ended or output_ends:
                 self._accept(grammar, ended)
                 self.loops_ended += 1
                 appended += ended
+                if output_ends:
+                    return Advance(True, appended[1:], end=True)
                 if jump_forward:
                     appended += self._forced(grammar)
         if closer is None or before is None or left is None:

@@ -6,8 +6,9 @@ cut. `LoopGuard` watches the tokens entering the grammar for a period of 1-32 to
 at once), finds the value the repetition sits in (the string or number it lies inside, else the innermost
 array whose items repeat) and ends that value by the closing walk (`closing.walk`): the string's quote, the
 array's bracket, with whatever the grammar requires before them. A number whose text grows past
-`max_number_digits` characters is ended the same way. The grammar checks every byte of that, so the guard
-can only ever produce output the grammar accepts; the model then carries on after the ended value.
+`max_number_digits` characters is ended the same way. Where whole top-level values repeat (the same tool call
+over and over) the output itself is ended, by its shortest completion. The grammar checks every byte of that,
+so the guard can only ever produce output the grammar accepts; the model then carries on after the ended value.
 """
 
 from __future__ import annotations
@@ -50,10 +51,19 @@ class LoopGuard:
         return twin
 
     def step(
-        self, grammar: Grammar, scanner: JsonScanner, new_tokens: Sequence[int], start: int
-    ) -> list[int]:
+        self,
+        grammar: Grammar,
+        scanner: JsonScanner,
+        new_tokens: Sequence[int],
+        start: int,
+        *,
+        room: int | None,
+    ) -> tuple[list[int], bool]:
         """Record `new_tokens` (already in the grammar and fed to `scanner`; their bytes begin at output offset
-        `start`). Returns the tokens that end a looping value, for the caller to accept, or []."""
+        `start`). Returns the tokens that end a looping value, for the caller to accept ([] if none), and whether
+        they end the whole output (the repetition spans whole top-level values: the same tool call again and
+        again). `room`: the tokens the output may still take (None: no limit); an ending that does not fit is
+        left to the budget closing."""
         vocab = self.tokens.info.vocab
         loop_start = None
         for token in new_tokens:
@@ -73,15 +83,16 @@ class LoopGuard:
         ):
             depth, skip = scanner.depth, _NUMBER_BYTES
         if depth is None:
-            return []
-        found = walk(grammar, self.tokens, scanner, max_bytes=_MAX_END_BYTES, until_depth=depth, skip=skip)
-        if not found or not found[0]:
-            return []
+            return [], False
+        until = depth or None  # 0: end the output, to where the grammar may end
+        found = walk(grammar, self.tokens, scanner, max_bytes=_MAX_END_BYTES, until_depth=until, skip=skip)
+        if not found or (until is not None and not found[0]) or (room is not None and len(found[0]) > room):
+            return [], False
         for token in found[0]:
             self._push(token, start)
             start += len(vocab[token])
         self._quiet_until = len(self._tokens)  # the loop is over: count afresh
-        return found[0]
+        return found[0], until is None
 
     def _push(self, token: int, offset: int) -> int:
         """Append one token; returns the length of the looping stretch it completes (ending here), or 0."""
@@ -100,8 +111,8 @@ class LoopGuard:
 
 def _looping_value(scanner: JsonScanner, loop_start: int) -> int | None:
     """The depth to close down to (`until_depth`) to end the value a repetition from `loop_start` sits in:
-    the string or number it lies inside, else the innermost array it spans items of; None inside an object's
-    members alone (nothing the guard may end)."""
+    the string or number it lies inside, else the innermost array it spans items of; 0 when it spans whole
+    top-level values (the output is ended); None inside an object's members alone (nothing the guard may end)."""
     for i in range(len(scanner.stack) - 1, -1, -1):
         kind, begin = scanner.stack[i]
         if begin >= loop_start:
@@ -110,4 +121,4 @@ def _looping_value(scanner: JsonScanner, loop_start: int) -> int | None:
             return i + 1
         if kind == OBJECT:
             return None
-    return None
+    return 0

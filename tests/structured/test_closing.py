@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jsonschema
 import pytest
@@ -139,49 +139,53 @@ def test_walk_leaves_the_grammar_as_it_was(
     assert not can_end(grammar, byte_tokens.eos)
 
 
+class Stepper:
+    """A string member's grammar, its scanner and a closer, fed as the engine feeds them."""
+
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"s": {"type": "string"}},
+        "required": ["s"],
+    }
+
+    def __init__(self, backend: StructuredBackend, byte_tokens: ByteTokens):
+        self.grammar = _compile(backend, self.SCHEMA)
+        self.tokens = byte_tokens
+        self.closer = BudgetCloser(byte_tokens)
+        self.scanner = JsonScanner()
+
+    def feed(self, ids: list[int]) -> list[int]:
+        assert self.grammar.accept_tokens(ids)
+        self.scanner.feed(self.tokens.text(ids))
+        return ids
+
+    def step(self, ids: list[int], left: int) -> bool:
+        return self.closer.step(self.grammar, self.scanner, left, self.feed(ids), same_string=False)
+
+
 def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
-    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
-    grammar = _compile(backends["llguidance"], schema)
-    closer = BudgetCloser(byte_tokens)
-    scanner = JsonScanner()
-    start = encode('{"s":"')
-    assert grammar.accept_tokens(start)
-    scanner.feed(byte_tokens.text(start))
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.feed(encode('{"s":"'))
     # Plenty of room: the step passes and the completion ('"}') is known.
-    word = encode("hello")
-    assert grammar.accept_tokens(word)
-    scanner.feed(byte_tokens.text(word))
-    assert closer.step(grammar, scanner, 10, word, same_string=False)
-    assert closer.plan is not None and byte_tokens.text(list(closer.plan)) == b'"}'
-    need = len(closer.plan)
+    assert run.step(encode("hello"), 10)
+    plan = run.closer.plan
+    assert plan is not None and byte_tokens.text(list(plan)) == b'"}'
     # A token after which the completion no longer fits: the step fails and the fallback is the one above.
-    more = encode(" world")
-    assert grammar.accept_tokens(more)
-    scanner.feed(byte_tokens.text(more))
-    assert not closer.step(grammar, scanner, need - 1, more, same_string=False)
-    assert closer.fallback is not None and byte_tokens.text(list(closer.fallback)) == b'"}'
+    assert not run.step(encode(" world"), len(plan) - 1)
+    assert run.closer.fallback == plan
 
 
 def test_closer_follows_the_model_writing_the_completion(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
-    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
-    grammar = _compile(backends["llguidance"], schema)
-    closer = BudgetCloser(byte_tokens)
-    scanner = JsonScanner()
-    start = encode('{"s":"x')
-    assert grammar.accept_tokens(start)
-    scanner.feed(byte_tokens.text(start))
-    assert closer.step(grammar, scanner, 3, start, same_string=False)
-    plan = closer.plan
+    run = Stepper(backends["llguidance"], byte_tokens)
+    assert run.step(encode('{"s":"x'), 3)
+    plan = run.closer.plan
     assert plan is not None
-    first = [plan[0]]
-    assert grammar.accept_tokens(first)
-    scanner.feed(byte_tokens.text(first))
-    assert closer.step(grammar, scanner, 2, first, same_string=False)
-    assert closer.plan == plan[1:]
+    assert run.step([plan[0]], 2)
+    assert run.closer.plan == plan[1:]
 
 
 def test_forced_bytes_are_the_jump_forward_text(

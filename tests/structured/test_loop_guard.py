@@ -13,6 +13,7 @@ import pytest
 from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
 from structgen.structured.closing import ByteTokens, can_end
 from structgen.structured.finishing import Finisher
+from structgen.tools import ToolCallPlan, parse_tool_calls
 
 MEETING = {
     "type": "object",
@@ -34,8 +35,16 @@ def byte_tokens(info: TokenizerInfo) -> ByteTokens:
 class Run:
     """Feeds tokens one at a time through a finisher with the guard on, as the engine does."""
 
-    def __init__(self, backend: StructuredBackend, byte_tokens: ByteTokens, schema: dict[str, Any]):
-        self.grammar = backend.compile(StructuredOutputsParams(json=schema).to_spec())
+    def __init__(
+        self,
+        backend: StructuredBackend,
+        byte_tokens: ByteTokens,
+        schema: dict[str, Any] | StructuredOutputsParams,
+    ):
+        params = (
+            schema if isinstance(schema, StructuredOutputsParams) else StructuredOutputsParams(json=schema)
+        )
+        self.grammar = backend.compile(params.to_spec())
         self.tokens = byte_tokens
         self.finisher = Finisher(byte_tokens, close=False, guard=True, max_number_digits=24)
         self.ids: list[int] = []
@@ -44,9 +53,10 @@ class Run:
     def feed(self, ids: list[int]) -> None:
         for token in ids:
             step = self.finisher.advance(self.grammar, token, left=None, jump_forward=False)
-            assert step.kept and not step.end
+            assert step.kept
             self.ids += [token, *step.tokens]
             self.inserted.append(step.tokens)
+            self.ended = step.end
 
     def feed_until_guarded(self, ids: list[int], *, limit: int = 400) -> None:
         """Feed `ids` over and over until the guard appends something."""
@@ -118,6 +128,37 @@ def test_a_long_repeated_item_ends_its_array(
     assert can_end(run.grammar, byte_tokens.eos) or byte_tokens.text(run.inserted[-1]).endswith(b"]")
     run.feed(encode("}") if not can_end(run.grammar, byte_tokens.eos) else [])
     jsonschema.validate(json.loads(run.text()), order)
+
+
+def test_the_same_tool_call_over_and_over_ends_the_output(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    plan = ToolCallPlan.build(tools, "required", format="hermes")
+    structured = plan.structured_outputs()
+    assert structured is not None
+    run = Run(backends["llguidance"], byte_tokens, structured)
+    call = plan.format.render_call("get_weather", '{"city": "Vienna"}')
+    block = plan.format.render_block([("get_weather", '{"city": "Vienna"}')] * 2)
+    repeat = encode(block[len(call) :])  # what one more call adds: separator and call
+    run.feed(encode(call))
+    run.feed_until_guarded(repeat)
+    assert run.ended and run.finisher.loops_ended == 1
+    assert can_end(run.grammar, byte_tokens.eos)
+    parsed = parse_tool_calls(run.text(), plan.format)
+    assert parsed.valid and len(parsed.calls) <= 8
 
 
 def test_a_runaway_number_is_ended(
