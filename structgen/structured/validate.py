@@ -1,6 +1,13 @@
 """Post-validation of finished outputs: JSON outputs against the original schema with `jsonschema` (format
 checking on), regex outputs by full match, choices by membership. The result is attached to each output, so
-the server and the CLI can report it; an output that fails is never presented as valid."""
+the server and the CLI can report it; an output that fails is never presented as valid.
+
+Patterns (`pattern`, regex outputs) are matched with a time limit: Python's backtracking engine takes
+exponential time on patterns such as `^((?:[a-z0-9]+-?)+[a-z0-9]/)?...$` against a long run of letters, and
+validation runs on the engine's step thread, where one such output would stall every request. Past the limit
+the same question goes to a linear-time engine (`jsonschema_rs`, Rust's regex crate), so the answer is still
+exact.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +18,52 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import regex
 from jsonschema import exceptions as js_exceptions
+from jsonschema.validators import extend
 
 from structgen.structured.formats import format_checker
 from structgen.structured.normalize import detect_draft
 from structgen.structured.spec import StructuredSpec, canonical_json
 
 FORMAT_CHECKER = format_checker()
+# A pattern search that takes longer than this is backtracking its way through exponentially many paths.
+PATTERN_TIME_LIMIT_S = 0.05
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> Any:
+    return regex.compile(pattern)
+
+
+def pattern_search(pattern: str, text: str, *, whole: bool = False) -> bool:
+    """Whether `pattern` matches somewhere in `text` (JSON Schema's `pattern`), or all of it (`whole`), in
+    bounded time."""
+    compiled = _compiled(pattern)
+    try:
+        found = (compiled.fullmatch if whole else compiled.search)(text, timeout=PATTERN_TIME_LIMIT_S)
+        return found is not None
+    except TimeoutError:
+        import jsonschema_rs
+
+        linear = f"^(?:{pattern})$" if whole else pattern
+        return bool(jsonschema_rs.is_valid({"type": "string", "pattern": linear}, text))
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    if validator.is_type(instance, "string") and not pattern_search(pattern, instance):
+        yield js_exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
 _VALIDATORS: dict[str, type[Any]] = {
-    "draft4": jsonschema.Draft4Validator,
-    "draft6": jsonschema.Draft6Validator,
-    "draft7": jsonschema.Draft7Validator,
-    "draft2019-09": jsonschema.Draft201909Validator,
-    "draft2020-12": jsonschema.Draft202012Validator,
+    name: extend(cls, {"pattern": _pattern})
+    for name, cls in (
+        ("draft4", jsonschema.Draft4Validator),
+        ("draft6", jsonschema.Draft6Validator),
+        ("draft7", jsonschema.Draft7Validator),
+        ("draft2019-09", jsonschema.Draft201909Validator),
+        ("draft2020-12", jsonschema.Draft202012Validator),
+    )
 }
 
 
@@ -49,10 +89,10 @@ def validate_output(spec: StructuredSpec, text: str, *, schema: Any = None) -> V
         return ValidationResult(False, f"{text!r} is not one of the choices", keyword="choice")
     if spec.kind == "regex":
         try:
-            pattern = re.compile(spec.text)
+            re.compile(spec.text)
         except re.error:
             return ValidationResult(True, checked=False)
-        if pattern.fullmatch(text):
+        if pattern_search(spec.text, text, whole=True):
             return ValidationResult(True)
         return ValidationResult(
             False, f"output does not fully match the regex {spec.text!r}", keyword="pattern"

@@ -50,3 +50,26 @@ def test_other_kinds() -> None:
     assert validate_output(grammar, "x").checked is False  # the grammar itself is the only judge
     obj = StructuredOutputsParams(json_object=True).to_spec()
     assert validate_output(obj, '{"a":1}').valid and not validate_output(obj, "[1]").valid
+
+
+def test_a_pattern_that_backtracks_exponentially_is_checked_in_bounded_time() -> None:
+    """Python's engine takes minutes on this GitHub schema's pattern against a long run of letters and digits
+    (the whole string matches, but the optional owner group is tried first in 2^n ways); validation runs on the
+    step thread, so the check goes to a linear-time engine past its time limit, with the same answer."""
+    import time
+
+    from structgen.structured.validate import pattern_search, validate_instance
+
+    repo_list = (
+        r"^(?:(?:(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]/)?[A-Za-z0-9_-]+\s*,\s*)*"
+        r"(?:(?:[A-Za-z0-9]+[-]?)+[A-Za-z0-9]/)?[A-Za-z0-9_-]+$"
+    )
+    schema = {"type": "object", "properties": {"repos": {"type": "string", "pattern": repo_list}}}
+    start = time.perf_counter()
+    assert validate_instance({"repos": "ghlint-repo-1234567890000000000000000000000000000"}, schema).valid
+    result = validate_instance({"repos": "ghlint-repo-12345678900000000000000000000000000!"}, schema)
+    assert not result.valid and result.keyword == "pattern"
+    assert time.perf_counter() - start < 60  # a hang check: minutes before the time limit existed
+    assert pattern_search("b+", "abbbc") and not pattern_search("b+", "abbbc", whole=True)
+    assert pattern_search("(a+)+b", "a" * 40 + "b", whole=True)
+    assert not pattern_search("(a+)+b", "a" * 40 + "c", whole=True)
