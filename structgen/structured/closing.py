@@ -73,6 +73,7 @@ class ByteTokens:
         self.outside = [(b, by_byte[b]) for b in dict.fromkeys(OUTSIDE_ORDER) if b in by_byte]
         self.inside = [(b, by_byte[b]) for b in dict.fromkeys(INSIDE_ORDER) if b in by_byte]
         # What ends a string; what may follow (and so end) a number.
+        self.quote = by_byte.get(ord('"'))
         self.string_ends = frozenset(by_byte[b] for b in b'"' if b in by_byte)
         self.number_ends = frozenset(by_byte[b] for b in b"}],\n " if b in by_byte)
 
@@ -101,10 +102,12 @@ def walk(
     max_bytes: int = MAX_WALK_BYTES,
     until_depth: int | None = None,
     skip: bytes = b"",
+    hints: Sequence[bytes] = (),
 ) -> tuple[list[int], bytes] | None:
     """Walk from the grammar's state (`scanner`: where the output stands) to the first point where it may end,
     or, given `until_depth`, where fewer values than that are open, by forced tokens and preferred bytes other
-    than `skip`. Returns (tokens, bytes) or None. The grammar and the scanner are left as they were."""
+    than `skip`; `hints`: texts that may let a string end where no single filler does (the literal parts of
+    the spec's patterns). Returns (tokens, bytes) or None. The grammar and the scanner are left as they were."""
     scan = scanner.copy()
     base = scan.offset
     accepted: list[int] = []
@@ -118,12 +121,16 @@ def walk(
             # Forced tokens may run past an `until_depth` point: a bounded walk goes byte by byte.
             step = _forced(grammar, tokens) if until_depth is None else []
             if not step:
-                choice = _choose(
-                    grammar, tokens, context=scan.innermost, walked=_value_bytes(out, scan, base), skip=skip
+                step = _choose(
+                    grammar,
+                    tokens,
+                    context=scan.innermost,
+                    walked=_value_bytes(out, scan, base),
+                    skip=skip,
+                    hints=hints,
                 )
-                if choice is None:
+                if not step:
                     return None  # nothing printable is allowed here
-                step = [choice[1]]
             if not grammar.accept_tokens(step):
                 return None
             accepted += step
@@ -154,11 +161,18 @@ def _value_bytes(out: bytearray, scan: JsonScanner, base: int) -> bytes:
 
 
 def _choose(
-    grammar: Grammar, tokens: ByteTokens, *, context: int | None, walked: bytes, skip: bytes
-) -> tuple[int, int] | None:
-    """(byte, token) to take next. Outside strings and numbers: the first allowed in order. Inside a string or
-    a number (`context`), where fillers may go on forever: what ends it (the quote; a closer or comma), else a
-    filler after which it may end, else the least used filler (`walked`: the value's bytes walked so far)."""
+    grammar: Grammar,
+    tokens: ByteTokens,
+    *,
+    context: int | None,
+    walked: bytes,
+    skip: bytes,
+    hints: Sequence[bytes] = (),
+) -> list[int]:
+    """The token(s) to take next ([] if none). Outside strings and numbers: the first byte allowed in order.
+    Inside a string or a number (`context`), where fillers may go on forever: what ends it (the quote; a closer
+    or comma), else a filler after which it may end, else a hint after which a string may end, else the least
+    used filler (`walked`: the value's bytes walked so far)."""
     if context == STRING:
         order, ends = tokens.inside, tokens.string_ends
     elif context == NUMBER:
@@ -166,11 +180,11 @@ def _choose(
     else:
         for byte, token in tokens.outside:
             if byte not in skip and grammar.validate_tokens((token,)) == 1:
-                return byte, token
-        return None
+                return [token]
+        return []
     for byte, token in order:
         if token in ends and byte not in skip and grammar.validate_tokens((token,)) == 1:
-            return byte, token
+            return [token]
     # The fillers allowed: the common ones first; the rest of the order only where none of those is.
     allowed: list[tuple[int, int]] = []
     for part in (order[:_COMMON], order[_COMMON:]):
@@ -182,15 +196,20 @@ def _choose(
         if allowed:
             break
     else:
-        return None
-    for byte, token in allowed[:_LOOKAHEAD]:
+        return []
+    for _, token in allowed[:_LOOKAHEAD]:
         if grammar.accept_tokens((token,)):
             may_end = any(grammar.validate_tokens((end,)) == 1 for end in ends)
             grammar.rollback(1)
             if may_end:
-                return byte, token
+                return [token]
+    if context == STRING and tokens.quote is not None:
+        for hint in hints:
+            ids = [tokens.by_byte[b] for b in hint if b in tokens.by_byte]
+            if len(ids) == len(hint) and grammar.validate_tokens((*ids, tokens.quote)) == len(ids) + 1:
+                return ids
     # No filler ends it next: the least used so far (the first in order among those), so none loops forever.
-    return min(allowed, key=lambda choice: walked.count(choice[0]))
+    return [min(allowed, key=lambda choice: walked.count(choice[0]))[1]]
 
 
 Plan = tuple[int, ...]  # the tokens of a completion
@@ -207,14 +226,20 @@ _INITIAL_NEED: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
 _INITIAL_NEED_SIZE = 1024
 
 
-def initial_need(tokens: ByteTokens, key: tuple[Any, ...], new_grammar: Callable[[], Grammar]) -> int | None:
+def initial_need(
+    tokens: ByteTokens,
+    key: tuple[Any, ...],
+    new_grammar: Callable[[], Grammar],
+    *,
+    hints: Sequence[bytes] = (),
+) -> int | None:
     """Tokens of the shortest complete output of a grammar (cached by `key`): what every request under it
     needs at its start, so requests do not each walk it."""
     key = (tokens.info.tokenizer_id, *key)
     if key in _INITIAL_NEED:
         _INITIAL_NEED.move_to_end(key)
         return _INITIAL_NEED[key]
-    plan = shortest_completion(new_grammar(), tokens, JsonScanner())
+    plan = shortest_completion(new_grammar(), tokens, JsonScanner(), hints=hints)
     _INITIAL_NEED[key] = need = None if plan is None else len(plan)
     while len(_INITIAL_NEED) > _INITIAL_NEED_SIZE:
         _INITIAL_NEED.popitem(last=False)
@@ -239,11 +264,16 @@ def canonical(grammar: Grammar, tokens: ByteTokens, walked: list[int], text: byt
 
 
 def shortest_completion(
-    grammar: Grammar, tokens: ByteTokens, scanner: JsonScanner, *, max_bytes: int = MAX_WALK_BYTES
+    grammar: Grammar,
+    tokens: ByteTokens,
+    scanner: JsonScanner,
+    *,
+    max_bytes: int = MAX_WALK_BYTES,
+    hints: Sequence[bytes] = (),
 ) -> Plan | None:
     """The tokens of the completion that ends the output soonest from the grammar's state (`scanner`: where the
     output stands), or None if the walk finds none."""
-    found = walk(grammar, tokens, scanner, max_bytes=max_bytes)
+    found = walk(grammar, tokens, scanner, max_bytes=max_bytes, hints=hints)
     if found is None:
         return None
     walked, text = found
@@ -262,10 +292,11 @@ class BudgetCloser:
     `max_tokens` cuts it as it always did.
     """
 
-    __slots__ = ("_backoff", "_next_check", "_started", "fallback", "need", "plan", "tokens")
+    __slots__ = ("_backoff", "_next_check", "_started", "fallback", "hints", "need", "plan", "tokens")
 
-    def __init__(self, tokens: ByteTokens):
+    def __init__(self, tokens: ByteTokens, *, hints: Sequence[bytes] = ()):
         self.tokens = tokens
+        self.hints = tuple(hints)
         self.reset()
 
     def reset(self) -> None:
@@ -282,7 +313,7 @@ class BudgetCloser:
         self.need = need
 
     def copy(self) -> BudgetCloser:
-        twin = BudgetCloser(self.tokens)
+        twin = BudgetCloser(self.tokens, hints=self.hints)
         twin.plan, twin.fallback, twin.need = self.plan, self.fallback, self.need
         twin._next_check, twin._backoff, twin._started = self._next_check, self._backoff, self._started
         return twin
@@ -311,7 +342,9 @@ class BudgetCloser:
             # More characters in a string whose completion began by closing it: the same completion, no walk.
             plan: Plan | None = previous
         else:
-            plan = shortest_completion(grammar, self.tokens, scanner, max_bytes=_max_bytes(left))
+            plan = shortest_completion(
+                grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
+            )
         if plan is None:
             # No end found within reach: look again after a while, not at every token.
             self.back_off(left)
@@ -333,7 +366,9 @@ class BudgetCloser:
     def completion_within(self, grammar: Grammar, scanner: JsonScanner, left: int) -> Plan | None:
         """The completion from the grammar's state if it takes at most `left` tokens (the fallback computed
         late, when the state before a token was not checked)."""
-        plan = shortest_completion(grammar, self.tokens, scanner, max_bytes=_max_bytes(left))
+        plan = shortest_completion(
+            grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
+        )
         return plan if plan is not None and len(plan) <= left else None
 
     def _still_completes(self, grammar: Grammar, plan: Plan) -> bool:

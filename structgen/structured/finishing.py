@@ -10,6 +10,7 @@ for on any other.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,74 @@ class Advance:
     end: bool = False
 
 
+_MAX_HINTS = 16
+
+
+def pattern_hints(spec: StructuredSpec) -> tuple[bytes, ...]:
+    """The literal runs (two characters or more) of the spec's patterns, shortest first: a string under
+    `"pattern": "date-time"` can only end once it holds that text, which no single filler reaches."""
+    if spec.kind == "regex":
+        patterns = [spec.text]
+    elif spec.kind == "json_schema" and '"pattern"' in spec.text:
+        patterns = [v for k, v in _items(spec.schema()) if k == "pattern" and isinstance(v, str)]
+    else:
+        return ()
+    found: set[bytes] = set()
+    for pattern in patterns:
+        found.update(_literal_runs(pattern))
+    return tuple(sorted(found, key=lambda h: (len(h), h)))[:_MAX_HINTS]
+
+
+def _items(node: Any) -> Any:
+    """(key, value) of every object in a JSON value."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield key, value
+            yield from _items(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _items(value)
+
+
+def _literal_runs(pattern: str) -> list[bytes]:
+    import re._parser as sre_parse  # the standard library's regex parser
+
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return []
+    runs: list[bytes] = []
+
+    def visit(items: Any) -> None:
+        run: list[int] = []
+        for op, arg in items:
+            if str(op) == "LITERAL" and 32 <= arg < 127 and arg not in (34, 92):  # printable, no quote or \\
+                run.append(arg)
+                continue
+            if len(run) >= 2:
+                runs.append(bytes(run))
+            run = []
+            for sub in _subpatterns(arg):
+                visit(sub)
+        if len(run) >= 2:
+            runs.append(bytes(run))
+
+    visit(parsed)
+    return runs
+
+
+def _subpatterns(arg: Any) -> list[Any]:
+    """The nested sequences inside one regex item (groups, alternatives, repeats)."""
+    out = []
+    items = arg if isinstance(arg, list | tuple) else [arg]
+    for item in items:
+        if hasattr(item, "data"):  # a parsed sequence (sre's SubPattern)
+            out.append(item)
+        elif isinstance(item, list | tuple):
+            out.extend(_subpatterns(item))
+    return out
+
+
 def emits_json(spec: StructuredSpec) -> bool:
     """Outputs that are JSON, or hold JSON values: where closing and the loop guard are on by default."""
     return spec.kind in ("json_schema", "json_object") or (spec.kind == "grammar" and "%json" in spec.text)
@@ -40,19 +109,28 @@ class Finisher:
     """Per sequence: where the output stands (`scanner`), the budget closer and the loop guard (either None
     when off), and what they did (`closed_at_budget`, `loops_ended`)."""
 
-    __slots__ = ("closed_at_budget", "closer", "guard", "loops_ended", "scanner", "tokens")
+    __slots__ = ("closed_at_budget", "closer", "guard", "hints", "loops_ended", "scanner", "tokens")
 
-    def __init__(self, tokens: ByteTokens, *, close: bool, guard: bool, max_number_digits: int):
+    def __init__(
+        self,
+        tokens: ByteTokens,
+        *,
+        close: bool,
+        guard: bool,
+        max_number_digits: int,
+        hints: tuple[bytes, ...] = (),
+    ):
         self.tokens = tokens
+        self.hints = hints  # literal parts of the spec's patterns (`pattern_hints`)
         self.scanner = JsonScanner()
-        self.closer = BudgetCloser(tokens) if close else None
-        self.guard = LoopGuard(tokens, max_number_digits=max_number_digits) if guard else None
+        self.closer = BudgetCloser(tokens, hints=hints) if close else None
+        self.guard = LoopGuard(tokens, max_number_digits=max_number_digits, hints=hints) if guard else None
         self.closed_at_budget = False
         self.loops_ended = 0
 
     def copy(self) -> Finisher:
         twin = Finisher.__new__(Finisher)
-        twin.tokens = self.tokens
+        twin.tokens, twin.hints = self.tokens, self.hints
         twin.scanner = self.scanner.copy()
         twin.closer = self.closer.copy() if self.closer is not None else None
         twin.guard = self.guard.copy() if self.guard is not None else None
@@ -71,7 +149,7 @@ class Finisher:
     def prepare(self, key: tuple[Any, ...], new_grammar: Callable[[], Grammar]) -> None:
         """Before the first token: what the grammar (`key` names it) needs to finish from its start."""
         if self.closer is not None:
-            self.closer.expect(initial_need(self.tokens, key, new_grammar))
+            self.closer.expect(initial_need(self.tokens, key, new_grammar, hints=self.hints))
 
     def entered(self, token_ids: list[int]) -> None:
         """Tokens the grammar accepted (sampled or forced), in order."""

@@ -32,11 +32,18 @@ _MAX_END_BYTES = 64
 class LoopGuard:
     """Per sequence: fed every token that enters the grammar; says what to append to end a looping value."""
 
-    __slots__ = ("_offsets", "_quiet_until", "_tokens", "max_number_digits", "tokens")
+    __slots__ = ("_offsets", "_quiet_until", "_tokens", "hints", "max_number_digits", "tokens")
 
-    def __init__(self, tokens: ByteTokens, *, max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS):
+    def __init__(
+        self,
+        tokens: ByteTokens,
+        *,
+        max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS,
+        hints: Sequence[bytes] = (),
+    ):
         self.tokens = tokens
         self.max_number_digits = max_number_digits
+        self.hints = tuple(hints)
         self.reset()
 
     def reset(self) -> None:
@@ -45,7 +52,7 @@ class LoopGuard:
         self._quiet_until = 0  # after an ended loop, its tokens no longer count as a repetition
 
     def copy(self) -> LoopGuard:
-        twin = LoopGuard(self.tokens, max_number_digits=self.max_number_digits)
+        twin = LoopGuard(self.tokens, max_number_digits=self.max_number_digits, hints=self.hints)
         twin._tokens, twin._offsets = list(self._tokens), list(self._offsets)
         twin._quiet_until = self._quiet_until
         return twin
@@ -85,7 +92,15 @@ class LoopGuard:
         if depth is None:
             return [], False
         until = depth or None  # 0: end the output, to where the grammar may end
-        found = walk(grammar, self.tokens, scanner, max_bytes=_MAX_END_BYTES, until_depth=until, skip=skip)
+        found = walk(
+            grammar,
+            self.tokens,
+            scanner,
+            max_bytes=_MAX_END_BYTES,
+            until_depth=until,
+            skip=skip,
+            hints=self.hints,
+        )
         if not found or (until is not None and not found[0]) or (room is not None and len(found[0]) > room):
             return [], False
         for token in found[0]:

@@ -24,7 +24,7 @@ from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.closing import ByteTokens
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
-from structgen.structured.finishing import Advance, Finisher, emits_json
+from structgen.structured.finishing import Advance, Finisher, emits_json, pattern_hints
 from structgen.structured.manager import FillFailures, StructuredOutputManager
 from structgen.structured.select import CompiledSpec
 from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
@@ -315,7 +315,11 @@ def _finisher(
     if not close and not guard:
         return None
     return Finisher(
-        ByteTokens.of(manager.tokenizer), close=close, guard=guard, max_number_digits=config.max_number_digits
+        ByteTokens.of(manager.tokenizer),
+        close=close,
+        guard=guard,
+        max_number_digits=config.max_number_digits,
+        hints=pattern_hints(spec),
     )
 
 

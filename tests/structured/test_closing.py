@@ -13,6 +13,7 @@ import pytest
 
 from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
 from structgen.structured.closing import BudgetCloser, ByteTokens, can_end, shortest_completion
+from structgen.structured.finishing import pattern_hints
 from structgen.structured.json_scan import JsonScanner
 
 PERSON = {
@@ -205,3 +206,23 @@ def test_forced_bytes_are_the_jump_forward_text(
         assert forced.startswith(byte_tokens.text(tokens))  # the last token may be held back
         seen += bool(forced)
     assert seen > 5
+
+
+def test_a_pattern_that_needs_a_word_is_closed_with_it(
+    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
+) -> None:
+    """`"pattern": "date-time"` (a real GitHub schema): the string can only end once it holds that word, which
+    no single filler reaches; the pattern's literal runs are offered to the walk as hints."""
+    schema = {"type": "object", "properties": {"created": {"type": "string", "pattern": "date-time"}}}
+    spec = StructuredOutputsParams(json=schema).to_spec()
+    hints = pattern_hints(spec)
+    assert hints == (b"date-time",)
+    grammar = backends["llguidance"].compile(spec)
+    prefix = encode('{"created":"2023-01-01T00:00:00Z, 2023-01-01')
+    assert grammar.accept_tokens(prefix)
+    scanner = JsonScanner()
+    scanner.feed(byte_tokens.text(prefix))
+    assert shortest_completion(grammar, byte_tokens, scanner) is None  # without the hint: no end found
+    plan = shortest_completion(grammar, byte_tokens, scanner, hints=hints)
+    assert plan is not None
+    jsonschema.validate(json.loads(byte_tokens.text(prefix + list(plan)).decode()), schema)
