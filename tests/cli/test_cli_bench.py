@@ -60,3 +60,23 @@ def test_unknown_or_missing_benchmark_is_one_line(capsys: pytest.CaptureFixture[
     assert err.count("\n") == 1
     assert main(["bench", "../x"]) == 2
     assert "unknown benchmark '../x'" in capsys.readouterr().err
+
+
+def test_bench_completion_on_tiny_finishes_every_output_with_the_features_on(tmp_path: Path) -> None:
+    """A small run of `structgen bench completion`: the random-weight model never closes its JSON, so every
+    output off is cut and every output on is closed and valid."""
+    out = tmp_path / "completion.json"
+    args = ["--model", "tiny", "--extraction", "3", "--bfcl-per-category", "1", "--max-tokens", "24"]
+    args += ["--bfcl-max-tokens", "40", "--max-num-seqs", "8", "--json", str(out)]
+    assert main(["bench", "completion", *args]) == 0
+    report = json.loads(out.read_text())
+    off, on = report["passes"]
+    for workload in ("extraction", "bfcl"):
+        assert off[workload]["truncated"] == off[workload]["outputs"] - off[workload]["errors"]
+        assert on[workload]["truncated"] == 0
+        assert (
+            on[workload]["valid"]
+            == on[workload]["finished"]
+            == on[workload]["outputs"] - on[workload]["errors"]
+        )
+    assert report["throughput_on_over_off"]["extraction"]
