@@ -4,6 +4,7 @@ counts in it and in `/metrics`; the per-request switches reaching the engine; th
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
@@ -254,4 +255,26 @@ def test_the_openai_sdk_parses_responses_with_the_report(client: openai.OpenAI, 
     assert all("structured" not in (c.choices[0].model_extra or {}) for c in chunks[:-1])
     plain = client.chat.completions.create(model="tiny", messages=ask, max_tokens=2)
     assert (plain.choices[0].model_extra or {}).get("structured") is None
+    wait_idle(engine)
+
+
+def test_a_real_closing_over_http(app: Any, engine: AsyncEngine) -> None:
+    """No spy: `tiny` (random weights) never closes its JSON on its own, so a small budget makes the engine
+    close it. The choice finishes "stop" with valid JSON, says so, and the counter moves; switched off per
+    request, the same call is cut ("length") as before."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "tags"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    body = {"messages": USER, "max_tokens": 24, "response_format": response_format, "temperature": 0}
+    choice = call(app, "POST", CHAT, json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["structured"]["closed_at_budget"] is True and choice["structured"]["valid"] is True
+    assert set(json.loads(choice["message"]["content"])) == {"name", "tags"}
+    assert _counters(app)["structgen_structured_closed_at_budget_total"] == 1
+    off = body | {"structured_outputs": {"close_at_budget": False, "loop_guard": False}}
+    choice = call(app, "POST", CHAT, json=off).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["structured"]["closed_at_budget"] is False
     wait_idle(engine)
