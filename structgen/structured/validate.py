@@ -55,8 +55,49 @@ def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
         yield js_exceptions.ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
+def _pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: Any) -> Any:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if pattern_search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, additional: Any, instance: Any, schema: Any) -> Any:
+    """jsonschema's own, with keys matched against `patternProperties` in bounded time."""
+    if not validator.is_type(instance, "object"):
+        return
+    properties = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    extras = sorted(
+        (k for k in instance if k not in properties and not any(pattern_search(p, k) for p in patterns)),
+        key=str,
+    )
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif not additional and extras:
+        joined = ", ".join(repr(each) for each in extras)
+        if patterns:
+            verb = "does" if len(extras) == 1 else "do"
+            regexes = ", ".join(repr(each) for each in sorted(patterns))
+            yield js_exceptions.ValidationError(f"{joined} {verb} not match any of the regexes: {regexes}")
+        else:
+            verb = "was" if len(extras) == 1 else "were"
+            yield js_exceptions.ValidationError(
+                f"Additional properties are not allowed ({joined} {verb} unexpected)"
+            )
+
+
+# Every keyword that matches a pattern, in bounded time (`propertyNames` goes through `pattern`).
+_BOUNDED = {
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+}
 _VALIDATORS: dict[str, type[Any]] = {
-    name: extend(cls, {"pattern": _pattern})
+    name: extend(cls, _BOUNDED)
     for name, cls in (
         ("draft4", jsonschema.Draft4Validator),
         ("draft6", jsonschema.Draft6Validator),

@@ -73,3 +73,25 @@ def test_a_pattern_that_backtracks_exponentially_is_checked_in_bounded_time() ->
     assert pattern_search("b+", "abbbc") and not pattern_search("b+", "abbbc", whole=True)
     assert pattern_search("(a+)+b", "a" * 40 + "b", whole=True)
     assert not pattern_search("(a+)+b", "a" * 40 + "c", whole=True)
+
+
+def test_pattern_properties_and_additional_properties_match_keys_in_bounded_time() -> None:
+    from structgen.structured.validate import validate_instance
+
+    slow = r"^(?:(?:[a-z0-9]+-?)+[a-z0-9]/)?[a-z0-9_-]+$"  # backtracks exponentially on a long key
+    schema = {
+        "type": "object",
+        "patternProperties": {slow: {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    key = "a" * 40 + "!"  # matches no pattern: an additional property
+    result = validate_instance({key: 1}, schema)
+    assert not result.valid and result.keyword == "additionalProperties"
+    assert "does not match any of the regexes" in result.error
+    good = "b" * 40
+    assert validate_instance({good: 1}, schema).valid
+    result = validate_instance({good: "x"}, schema)
+    assert not result.valid and result.keyword == "type"
+    plain = {"type": "object", "properties": {"a": {}}, "additionalProperties": False}
+    result = validate_instance({"a": 1, "b": 2}, plain)
+    assert not result.valid and "Additional properties are not allowed ('b' was unexpected)" in result.error
