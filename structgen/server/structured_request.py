@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 
 CONSTRAINT_FIELDS = ("json", "json_object", "regex", "grammar", "choice")
 OPTION_FIELDS = ("whitespace", "max_whitespace", "strict", "close_at_budget", "loop_guard")
-# Booleans, strictly (`"strict": "no"` would otherwise read as true); null leaves the engine's default.
-_BOOLEANS = ("strict",)
-_NULLABLE_BOOLEANS = ("close_at_budget", "loop_guard")
 _FIELD = "structured_outputs"
 
 
@@ -33,15 +30,9 @@ def structured_options(structured_outputs: dict[str, Any] | None) -> dict[str, A
     if unknown:
         raise APIError(400, f"unknown {_FIELD} field(s): {', '.join(unknown)}", param=_FIELD)
     options = {name: structured_outputs[name] for name in OPTION_FIELDS if name in structured_outputs}
-    for name, value in options.items():
-        nullable = name in _NULLABLE_BOOLEANS
-        if (nullable or name in _BOOLEANS) and not (isinstance(value, bool) or (nullable and value is None)):
-            what = "a boolean or null" if nullable else "a boolean"
-            param = f"{_FIELD}.{name}"
-            raise APIError(400, f"{param} must be {what}, got {value!r}", param=param, code="invalid_value")
     from structgen.structured import InvalidSpecError, StructuredOutputsParams
 
-    try:  # whitespace / max_whitespace are checked where they are defined, on a throwaway constraint
+    try:  # the options are checked where they are defined, on a throwaway constraint
         StructuredOutputsParams(json_object=True, **options)
     except InvalidSpecError as error:
         raise _invalid(_FIELD, error) from None

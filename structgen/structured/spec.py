@@ -113,9 +113,13 @@ class StructuredOutputsParams:
             raise InvalidSpecError(f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
         if not isinstance(self.max_whitespace, int) or not 1 <= self.max_whitespace <= 64:
             raise InvalidSpecError(f"max_whitespace must be an int in 1..64, got {self.max_whitespace!r}")
+        # Booleans strictly (`"strict": "no"` would otherwise read as true); None takes the engine's default.
+        if not isinstance(self.strict, bool):
+            raise InvalidSpecError(f"strict must be a boolean, got {self.strict!r}")
         for name in ("close_at_budget", "loop_guard"):
-            if getattr(self, name) not in (None, True, False):
-                raise InvalidSpecError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, bool)):  # 1 == True, but 1 is no boolean
+                raise InvalidSpecError(f"{name} must be a boolean or null, got {value!r}")
         object.__setattr__(self, "_spec", self._canonicalize())
 
     def to_spec(self) -> StructuredSpec:
