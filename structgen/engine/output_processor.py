@@ -110,21 +110,10 @@ class OutputProcessor:
             _drop_last_token(seq)
         status = self.append_forced(seq, step.tokens, incremental=incremental)
         if status is None and step.end:
-            status = self._end_here(seq, incremental=incremental)
+            # Complete, but its last token did not stop it (the budget ran out on a complete text, or the
+            # grammar would allow more, as after a number): stop here.
+            status = self._append_text(seq, None, incremental=incremental)
         return status
-
-    def _end_here(self, seq: Sequence, *, incremental: bool) -> SequenceStatus:
-        """Stop a closed structured output whose last token did not stop it itself (its text was complete
-        before the budget ran out, or the grammar would allow more, as after a number)."""
-        if not incremental:
-            seq.output_text = seq.detokenizer.push(seq.output_token_ids) + seq.detokenizer.flush()
-            return SequenceStatus.FINISHED_STOPPED
-        delta = seq.detokenizer.flush()
-        if seq.stop_checker is not None:
-            delta, _ = seq.stop_checker.push(delta)
-            delta += seq.stop_checker.flush()
-        seq.output_text += delta
-        return SequenceStatus.FINISHED_STOPPED
 
     def _tokens_left(self, seq: Sequence) -> int:
         """How many more tokens `seq` may take (after the ones it holds): `max_tokens` and the context."""
@@ -204,16 +193,21 @@ class OutputProcessor:
         seq.logprobs = [] if params.logprobs is not None else None
 
     def _append_text(
-        self, seq: Sequence, token_id: int, *, incremental: bool, grammar_may_end: bool = True
+        self, seq: Sequence, token_id: int | None, *, incremental: bool, grammar_may_end: bool = True
     ) -> SequenceStatus | None:
+        """The text of a just-appended token and whether the sequence stops there; `token_id` None: no new
+        token, the sequence stops now (a structured output closed complete)."""
         params = _params(seq)
-        status, hide = self._token_stop(seq, token_id, grammar_may_end=grammar_may_end)
+        if token_id is None:
+            status, hide = SequenceStatus.FINISHED_STOPPED, False
+        else:
+            status, hide = self._token_stop(seq, token_id, grammar_may_end=grammar_may_end)
         if not incremental:
             if status is not None:
                 ids = seq.output_token_ids[:-1] if hide else seq.output_token_ids
                 seq.output_text = seq.detokenizer.push(ids) + seq.detokenizer.flush()
             return status
-        delta = "" if hide else seq.detokenizer.push(token_id)
+        delta = "" if hide or token_id is None else seq.detokenizer.push(token_id)
         if status is not None:
             delta += seq.detokenizer.flush()
         checker = seq.stop_checker

@@ -17,8 +17,10 @@ from typing import Any
 
 from structgen.structured.backend import Grammar
 from structgen.structured.closing import BudgetCloser, ByteTokens, initial_need
+from structgen.structured.errors import GrammarRejectedTokenError
 from structgen.structured.json_scan import STRING, JsonScanner
 from structgen.structured.loop_guard import LoopGuard
+from structgen.structured.schema_walk import iter_subschemas
 from structgen.structured.spec import StructuredSpec
 
 
@@ -41,24 +43,17 @@ def pattern_hints(spec: StructuredSpec) -> tuple[bytes, ...]:
     if spec.kind == "regex":
         patterns = [spec.text]
     elif spec.kind == "json_schema" and '"pattern"' in spec.text:
-        patterns = [v for k, v in _items(spec.schema()) if k == "pattern" and isinstance(v, str)]
+        patterns = [
+            node["pattern"]
+            for _, node in iter_subschemas(spec.schema())
+            if isinstance(node.get("pattern"), str)
+        ]
     else:
         return ()
     found: set[bytes] = set()
     for pattern in patterns:
         found.update(_literal_runs(pattern))
     return tuple(sorted(found, key=lambda h: (len(h), h)))[:_MAX_HINTS]
-
-
-def _items(node: Any) -> Any:
-    """(key, value) of every object in a JSON value."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield key, value
-            yield from _items(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _items(value)
 
 
 def _literal_runs(pattern: str) -> list[bytes]:
@@ -176,7 +171,7 @@ class Finisher:
                     return Advance(True, appended[1:], end=True)
                 if jump_forward:
                     appended += self._forced(grammar)
-        if closer is None or before is None or left is None:
+        if closer is None or before is None or left is None:  # (one implies the others; for the types)
             return Advance(True, appended[1:])
         room = left - (len(appended) - 1)
         same_string = before.stack == self.scanner.stack and self.scanner.innermost == STRING
@@ -203,8 +198,6 @@ class Finisher:
 
     def _accept(self, grammar: Grammar, token_ids: list[int]) -> None:
         if not grammar.accept_tokens(token_ids):
-            from structgen.structured.errors import GrammarRejectedTokenError
-
             raise GrammarRejectedTokenError(f"the grammar rejected tokens {token_ids} it had allowed")
         self.entered(token_ids)
 
