@@ -45,11 +45,20 @@ class ToolDefinition:
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """What the model may do: `none` (text only), `auto` (text or calls), `required` (one or more calls) or
-    `named` (calls to `name` only). `parallel`: more than one call allowed."""
+    `named` (calls to `name` only). `parallel`: more than one call allowed. `allowed` (OpenAI's
+    `allowed_tools`): the functions `auto` / `required` may call, None for all of them; every tool is still
+    shown to the model, so the prompt (and its prefix cache) stays the same while the choice narrows."""
 
     mode: ToolMode
     name: str | None = None
     parallel: bool = True
+    allowed: tuple[str, ...] | None = None
+
+    def permits(self, name: str) -> bool:
+        """Whether a call to `name` may be generated."""
+        if self.mode == "named":
+            return name == self.name
+        return self.allowed is None or name in self.allowed
 
 
 def parse_tools(tools: Sequence[Any] | None) -> list[ToolDefinition]:
@@ -94,11 +103,52 @@ def parse_tool_choice(
                 param="tool_choice",
             )
         return ToolChoice("named", name=name, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice, tools, parallel)
     raise ToolError(
-        "tool_choice must be 'none', 'auto', 'required' or "
-        f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(choice, default=str)[:100]}',
+        "tool_choice must be 'none', 'auto', 'required', "
+        '{"type": "function", "function": {"name": ...}} or '
+        '{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}, '
+        f"got {json.dumps(choice, default=str)[:100]}",
         param="tool_choice",
     )
+
+
+def _allowed_tools(choice: dict[str, Any], tools: Sequence[ToolDefinition], parallel: bool) -> ToolChoice:
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [...]}}`;
+    a tool is named as in chat's named choice (`{"type": "function", "function": {"name": ...}}`) or flat as
+    the Responses API writes it (`{"type": "function", "name": ...}`)."""
+    where = "tool_choice.allowed_tools"
+    body = choice.get("allowed_tools")
+    if not isinstance(body, dict):
+        raise ToolError(f"{where} must be an object with 'mode' and 'tools'", param=where)
+    mode = body.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise ToolError(f"{where}.mode must be 'auto' or 'required', got {mode!r}", param=f"{where}.mode")
+    refs = body.get("tools")
+    if not isinstance(refs, list) or not refs:
+        raise ToolError(f"{where}.tools must be a non-empty list of tools", param=f"{where}.tools")
+    known = [t.name for t in tools]
+    names: list[str] = []
+    for index, ref in enumerate(refs):
+        ref = _plain(ref)
+        name = None
+        if isinstance(ref, dict) and ref.get("type", "function") == "function":
+            name = ref.get("name", (ref.get("function") or {}).get("name"))
+        if not isinstance(name, str):
+            raise ToolError(
+                f'{where}.tools[{index}] must be {{"type": "function", "function": {{"name": ...}}}}',
+                param=f"{where}.tools",
+            )
+        if name not in known:
+            raise ToolError(
+                f"{where}.tools[{index}] names the function {name!r}, which is not among the tools "
+                f"({', '.join(known)})",
+                param=f"{where}.tools",
+            )
+        if name not in names:
+            names.append(name)
+    return ToolChoice(mode, parallel=parallel, allowed=tuple(names))
 
 
 def _plain(value: Any) -> Any:

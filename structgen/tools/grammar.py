@@ -60,6 +60,15 @@ def arguments_schema(tool: ToolDefinition) -> ArgumentsSchema:
         found = LLGUIDANCE_SUPPORT.find_unsupported(schema)
         if not found:
             break
+        if tool.strict:
+            # OpenAI's strict mode promises arguments that match the schema exactly; a relaxed schema only
+            # validates afterwards, so a strict tool the grammar cannot enforce is refused instead.
+            first = found[0]
+            raise ToolError(
+                f"function {tool.name!r} is strict, and its parameters schema cannot be enforced exactly "
+                f"({first.keyword} at {first.path}: {first.reason}); set strict to false to have it generated "
+                "under a wider schema and validated afterwards"
+            )
         widened, relaxed = relax(schema, found)
         if widened == schema:
             first = found[0]
@@ -77,7 +86,7 @@ def tool_call_grammar(tools: Sequence[ToolDefinition], choice: ToolChoice, fmt: 
     """The Lark source constraining the output for `choice` (`auto`, `required` or `named`)."""
     if choice.mode == "none":
         raise ValueError("tool_choice 'none' has no tool-call grammar")
-    allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    allowed = [t for t in tools if choice.permits(t.name)]
     if not allowed:
         raise ToolError("no tools to call", param="tool_choice")
     rules = ["%llguidance {}"]

@@ -76,11 +76,26 @@ def answers(client: openai.OpenAI) -> dict[str, Any]:
             max_tokens=40,
         ),
         "loop": lambda: two_turns(client),
+        "allowed": lambda: create(
+            client,
+            tool_choice={
+                "type": "allowed_tools",
+                "allowed_tools": {
+                    "mode": "required",
+                    "tools": [{"type": "function", "function": {"name": "get_forecast"}}],
+                },
+            },
+        ),
+        "strict": lambda: create(client, tools=[strict_tool(TOOLS[1])], tool_choice="required"),
         "none": lambda: create(client, tool_choice="none", max_tokens=12),
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
+
+
+def strict_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {**tool["function"], "strict": True}}
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> Any:
@@ -114,6 +129,21 @@ def test_named_single_call(answers: dict[str, Any]) -> None:
     choice = answers["named"].choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [name for name, _ in check_calls(choice.message.tool_calls, {"get_forecast"})] == ["get_forecast"]
+
+
+def test_allowed_tools_narrow_the_calls(answers: dict[str, Any]) -> None:
+    # Both tools are offered in the prompt; the choice allows only the forecast, which the weather question
+    # would not pick on its own.
+    choice = answers["allowed"].choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.refusal is None
+    assert {name for name, _ in check_calls(choice.message.tool_calls, {"get_forecast"})} == {"get_forecast"}
+
+
+def test_strict_tool_arguments_match_exactly(answers: dict[str, Any]) -> None:
+    choice = answers["strict"].choices[0]
+    assert choice.finish_reason == "tool_calls"
+    for _, arguments in check_calls(choice.message.tool_calls, {"get_forecast"}):
+        assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
 
 
 def test_streamed_required_calls(answers: dict[str, Any]) -> None:
@@ -204,6 +234,37 @@ def test_none_answers_in_text(answers: dict[str, Any]) -> None:
             r"tools[0] (f): invalid parameters schema",
         ),
         ({"tool_choice": "required"}, "tool_choice", "no tools were given"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "allowed_tools": {"mode": "auto", "tools": [{"name": "x"}]},
+                },
+            },
+            "tool_choice.allowed_tools.tools",
+            "'x', which is not among the tools",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "tag",
+                            "strict": True,
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"tags": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "'tag' is strict",
+        ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",

@@ -104,6 +104,48 @@ def test_bad_tool_choice(choice: object, message: str) -> None:
     assert error.value.param == "tool_choice"
 
 
+def test_allowed_tools_narrow_auto_and_required() -> None:
+    tools = parse_tools(WEATHER_TOOLS)
+    chat = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_time"}}],
+        },
+    }
+    choice = parse_tool_choice(chat, tools, parallel_tool_calls=False)
+    assert choice == ToolChoice("required", parallel=False, allowed=("get_time",))
+    assert choice.permits("get_time") and not choice.permits("get_weather")
+    # The Responses API's flat tool reference; mode defaults to auto.
+    flat = {
+        "type": "allowed_tools",
+        "allowed_tools": {"tools": [{"type": "function", "name": "get_weather"}]},
+    }
+    assert parse_tool_choice(flat, tools) == ToolChoice("auto", allowed=("get_weather",))
+    assert ToolChoice("auto").permits("anything")
+
+
+@pytest.mark.parametrize(
+    ("allowed", "message", "param"),
+    [
+        (
+            {"mode": "sometimes", "tools": [{"name": "get_time"}]},
+            "mode must be 'auto' or 'required'",
+            ".mode",
+        ),
+        ({"mode": "auto", "tools": []}, "tools must be a non-empty list", ".tools"),
+        ({"mode": "auto", "tools": [{"name": "get_stock"}]}, "'get_stock', which is not among", ".tools"),
+        ({"mode": "auto", "tools": [{"type": "function"}]}, r"tools\[0\] must be", ".tools"),
+        (None, "must be an object with 'mode' and 'tools'", ""),
+    ],
+)
+def test_bad_allowed_tools(allowed: object, message: str, param: str) -> None:
+    choice = {"type": "allowed_tools", "allowed_tools": allowed}
+    with pytest.raises(ToolError, match=message) as error:
+        parse_tool_choice(choice, parse_tools(WEATHER_TOOLS))
+    assert error.value.param == "tool_choice.allowed_tools" + param
+
+
 def test_tool_choice_without_tools() -> None:
     with pytest.raises(ToolError, match="tool_choice is set but no tools were given"):
         parse_tool_choice("required", [])

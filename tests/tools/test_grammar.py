@@ -38,6 +38,23 @@ def test_named_function_only(accepts: Accepts) -> None:
     assert not accepts(plan, plan.format.render_block([VIENNA]))
 
 
+def test_allowed_tools_restrict_the_calls(accepts: Accepts) -> None:
+    only_time = {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}
+    plan = ToolCallPlan.build(WEATHER_TOOLS, {"type": "allowed_tools", "allowed_tools": only_time})
+    assert accepts(plan, plan.format.render_block([TOKYO]))
+    assert not accepts(plan, plan.format.render_block([VIENNA]))
+    assert not accepts(plan, "The time in Tokyo is noon.")  # required: a call
+    auto = ToolCallPlan.build(
+        WEATHER_TOOLS, {"type": "allowed_tools", "allowed_tools": {**only_time, "mode": "auto"}}
+    )
+    assert accepts(auto, "The time in Tokyo is noon.")
+    assert accepts(auto, auto.format.render_block([TOKYO]))
+    assert not accepts(auto, auto.format.render_block([VIENNA]))
+    # Every tool is still rendered into the prompt: the prompt (and its cached prefix) does not change.
+    messages = [{"role": "user", "content": "hi"}]
+    assert auto.conversation(messages) == ToolCallPlan.build(WEATHER_TOOLS, "auto").conversation(messages)
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "mistral"])
 def test_auto_allows_text_or_a_constrained_call(accepts: Accepts, fmt: str) -> None:
     plan = ToolCallPlan.build(WEATHER_TOOLS, "auto", format=fmt)
@@ -94,6 +111,30 @@ def test_unenforceable_keyword_is_relaxed_and_validated() -> None:
     plan = ToolCallPlan.build([tool], "required")
     parsed = plan.parse(plan.format.render_block([("tag", '{"tags": ["a", "a"]}')]))
     assert parsed.calls[0].error is not None and "non-unique" in parsed.calls[0].error
+
+
+def test_strict_tool_is_enforced_exactly_or_refused() -> None:
+    parameters = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    strict = {"type": "function", "function": {"name": "tag", "strict": True, "parameters": parameters}}
+    with pytest.raises(ToolError, match=r"'tag' is strict.*uniqueItems.*set strict to false"):
+        ToolCallPlan.build([strict], "required")
+    # A strict schema the grammar enforces as written is served exactly (nothing relaxed, nothing to validate).
+    exact = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"tag": {"type": "string", "enum": ["a", "b"]}},
+                "required": ["tag"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    (definition,) = parse_tools([exact])
+    assert definition.strict and not arguments_schema(definition).relaxed
+    ToolCallPlan.build([exact], "required")
 
 
 def test_unsatisfiable_parameters_name_the_tool() -> None:
