@@ -8,13 +8,10 @@ from collections.abc import Sequence
 
 from structgen.commands import bench as bench_command
 from structgen.commands import generate as generate_command
+from structgen.commands import run_batch as run_batch_command
 from structgen.commands import validate as validate_command
-from structgen.commands.structured_flags import add_structured_flags, structured_switches
-from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
-
-# `structgen.server.limits.DEFAULT_MAX_TOKENS` (a test keeps them equal): importing the server for `--help` would
-# load FastAPI.
-DEFAULT_MAX_TOKENS = 4096
+from structgen.commands.engine_args import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
+from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -53,51 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer K' (default: $STRUCTGEN_API_KEY)"
     )
-    serve.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    serve.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads for the forward (default: torch's, one per core)",
-    )
-    serve.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="shard the model over N processes (one GPU each; gloo on CPU); default 1",
-    )
-    serve.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
-    )
-    serve.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=None,
-        help="KV cache size in tokens (default: sized from memory)",
-    )
-    serve.add_argument(
-        "--structured-backend",
-        default="auto",
-        choices=["auto", "llguidance", "xgrammar", "outlines"],
-        help="grammar backend for structured outputs",
-    )
-    serve.add_argument(
-        "--structured-recursion-depth",
-        type=int,
-        default=DEFAULT_RECURSION_DEPTH,
-        help="levels of each $ref cycle generated for recursive schemas no backend takes as they are "
-        f"(the 'restricted' path; 0 refuses them; default {DEFAULT_RECURSION_DEPTH})",
-    )
-    add_structured_flags(serve)
-    serve.add_argument(
-        "--max-tokens-default",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="output cap of a chat request that sets neither max_tokens nor max_completion_tokens, lowered to "
-        f"the context the prompt leaves (default {DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)",
-    )
+    add_engine_args(serve)
     serve.add_argument(
         "--max-request-bytes",
         type=int,
@@ -117,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)",
     )
     validate_command.add_parser(sub, model_args=_add_model_args)
+    run_batch_command.add_parser(sub, model_args=_add_model_args)
     bench_command.add_parser(sub)
     return parser
 
@@ -127,37 +81,15 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.engine.async_engine import AsyncEngine
     from structgen.server import build_app
     from structgen.server.lifecycle import GracefulServer
     from structgen.server.limits import ServerLimits
-    from structgen.structured import StructuredOutputConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            print("structgen serve: --threads must be >= 1", file=sys.stderr)
-            return 2
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enforce_eager=args.enforce_eager,
-            cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
-            structured=StructuredOutputConfig(
-                backend=args.structured_backend,
-                recursion_depth=args.structured_recursion_depth,
-                **structured_switches(args),
-            ),
-        )
+        set_threads(args)
+        config = engine_config(args)
         limits = ServerLimits(
             max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests,
@@ -172,7 +104,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         engine.engine.tokenizer,
-        model_name=args.model or "smollm2-135m",
+        model_name=model_name(args),
         api_key=api_key,
         limits=limits,
     )
@@ -204,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "validate":
             return validate_command.run(args)
+        if args.command == "run-batch":
+            return run_batch_command.run(args)
         if args.command == "bench":
             return bench_command.run(args)
     except StructgenError as exc:

@@ -1,0 +1,106 @@
+"""The engine options `serve` and `run-batch` share, and what they build: both run the same app over the same
+engine, so a batch file answers exactly as the server would with the same flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from structgen.commands.structured_flags import add_structured_flags, structured_switches
+from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
+
+if TYPE_CHECKING:
+    from structgen.config import EngineConfig
+
+# `structgen.server.limits.DEFAULT_MAX_TOKENS` (a test keeps them equal): importing the server for `--help` would
+# load FastAPI.
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MODEL_NAME = "smollm2-135m"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's size, threads, parallelism, KV cache and structured-output options, and the default cap of a
+    chat request's output (besides `--model` and its siblings, which every model command takes)."""
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for the forward (default: torch's, one per core)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N processes (one GPU each; gloo on CPU); default 1",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens (default: sized from memory)",
+    )
+    parser.add_argument(
+        "--structured-backend",
+        default="auto",
+        choices=["auto", "llguidance", "xgrammar", "outlines"],
+        help="grammar backend for structured outputs",
+    )
+    parser.add_argument(
+        "--structured-recursion-depth",
+        type=int,
+        default=DEFAULT_RECURSION_DEPTH,
+        help="levels of each $ref cycle generated for recursive schemas no backend takes as they are "
+        f"(the 'restricted' path; 0 refuses them; default {DEFAULT_RECURSION_DEPTH})",
+    )
+    add_structured_flags(parser)
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="output cap of a chat request that sets neither max_tokens nor max_completion_tokens, lowered to "
+        f"the context the prompt leaves (default {DEFAULT_MAX_TOKENS}; text completions keep OpenAI's 16)",
+    )
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply `--threads` (ValueError below 1) before the engine is built."""
+    if args.threads is None:
+        return
+    if args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` the options describe (ValueError for a bad value)."""
+    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+    from structgen.structured import StructuredOutputConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        structured=StructuredOutputConfig(
+            backend=args.structured_backend,
+            recursion_depth=args.structured_recursion_depth,
+            **structured_switches(args),
+        ),
+    )
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The name the app serves the model under (requests naming another get 404)."""
+    return args.model or DEFAULT_MODEL_NAME
