@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI's `/v1/models`, `/v1/chat/completions` and `/v1/completions` over an `AsyncEngine`,
-plus `/health` and `/metrics`.
+plus `/health`, `/metrics` and vLLM's `/tokenize` / `/detokenize`.
 
-The routes live in `routes_chat.py` / `routes_completions.py`, the engine plumbing in `generation.py`, SSE in
-`streaming.py`; this module wires them with auth, limits, metrics and the lifecycle (`app.state.server`).
+The routes live in `routes_chat.py` / `routes_completions.py` / `routes_tokenize.py`, the engine plumbing in
+`generation.py`, SSE in `streaming.py`; this module wires them with auth, limits, metrics and the lifecycle
+(`app.state.server`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from structgen.server.middleware import RequestLog
 from structgen.server.openapi import add_openapi_route
 from structgen.server.routes_chat import add_chat_route
 from structgen.server.routes_completions import add_completions_route
+from structgen.server.routes_tokenize import add_tokenize_routes
 
 
 def build_app(
@@ -94,6 +96,10 @@ def build_app(
     add_chat_route(router, ctx)
     add_completions_route(router, ctx)
     app.include_router(router)
+    # vLLM's /tokenize and /detokenize sit at the root, not under /v1: clients written for vLLM call them there.
+    root = APIRouter(dependencies=[auth])
+    add_tokenize_routes(root, ctx)
+    app.include_router(root)
     add_openapi_route(app, dependencies=[auth])
     return app
 
