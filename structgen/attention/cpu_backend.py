@@ -3,8 +3,12 @@
 Decode rows (a pure decode step, and the decoding sequences of a mixed step) go through one
 `paged_decode_attention` call that walks each sequence's block table itself, instead of gathering every group
 of sequences into a padded copy first; new keys/values are stored by one `write_kv_cache` call per layer.
-Prefill rows keep the torch backend's path (SDPA on the fresh keys, or on a gathered cached prefix), where a
-GEMM-based kernel beats a per-token loop. The torch backend stays the reference these kernels are tested
+So do the few new tokens of a sequence extending a cached context (the tokens a grammar forced after the last
+pick, jump-forward, are fed with the next one: 2-10 tokens on a long context): each token is one more decode
+row, seeing the context up to itself, where the prefill path would gather the whole context and run SDPA per
+sequence and layer (on structured outputs that was a third of the forward). Longer prefill rows keep the torch
+backend's path (SDPA on the fresh keys, or on a gathered cached prefix), where a GEMM-based kernel beats a
+per-token loop. The torch backend stays the reference these kernels are tested
 against, and the fallback where the kernels cannot be built.
 """
 
@@ -15,6 +19,10 @@ import torch
 from structgen.attention.backend import AttentionMetadata, KVCache
 from structgen.attention.torch_backend import TorchAttentionBackend, prefill_attention
 
+# New tokens of one sequence on top of a cached context that still go through the decode kernel, one row each.
+# Each row reads the whole context again, so this holds for a few tokens only; a prompt's chunk goes to SDPA.
+MAX_EXTEND_AS_DECODE = 16
+
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
@@ -24,9 +32,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         from structgen.kernels import cpu_ops
 
         self._ops = cpu_ops
-        # The decoding sequences of a mixed step and their query rows, computed once per step for all layers.
+        # The decode rows of a mixed step (see `_decode_rows`), computed once per step for all layers.
         self._decode_rows: (
-            tuple[AttentionMetadata, list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None
+            tuple[AttentionMetadata, frozenset[int], torch.Tensor, torch.Tensor, torch.Tensor] | None
         )
         self._decode_rows = None
 
@@ -55,7 +63,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self._decode_rows is None or self._decode_rows[0] is not metadata:
             self._decode_rows = (metadata, *_decode_rows(metadata))
         _, decode_seqs, rows, tables, lens = self._decode_rows
-        if decode_seqs:
+        if len(rows):
             self._ops.paged_decode_attention(
                 query,
                 key_cache,
@@ -66,25 +74,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 out=out,
                 rows=rows,
             )
-        prefill_attention(query, key, value, key_cache, value_cache, metadata, out=out, scale=scale)
+        if len(decode_seqs) < metadata.num_seqs:
+            prefill_attention(
+                query, key, value, key_cache, value_cache, metadata, out=out, scale=scale, skip=decode_seqs
+            )
         return out
 
 
 def _decode_rows(
     metadata: AttentionMetadata,
-) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decoding sequences of a mixed step, their query rows, block tables and context lengths."""
-    seqs, rows = [], []
+) -> tuple[frozenset[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequences of a mixed step attended as decode rows (one new token, or a few on a cached context),
+    and per row: its query row, its sequence's block table and the context it sees (up to itself)."""
+    seqs, rows, owners, lens = [], [], [], []
     start = 0
-    for i, query_len in enumerate(metadata.query_lens_cpu):
-        if query_len == 1:
+    for i, (query_len, context_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
+    ):
+        if query_len == 1 or (query_len <= MAX_EXTEND_AS_DECODE and context_len > query_len):
             seqs.append(i)
-            rows.append(start)
+            first = context_len - query_len + 1  # the first new token sees the cached context and itself
+            rows.extend(range(start, start + query_len))
+            owners.extend([i] * query_len)
+            lens.extend(range(first, context_len + 1))
         start += query_len
-    index = torch.tensor(seqs, dtype=torch.long)
     return (
-        seqs,
+        frozenset(seqs),
         torch.tensor(rows, dtype=torch.int32),
-        metadata.block_tables.index_select(0, index),
-        metadata.context_lens.index_select(0, index),
+        metadata.block_tables.index_select(0, torch.tensor(owners, dtype=torch.long)),
+        torch.tensor(lens, dtype=torch.int32),
     )

@@ -101,14 +101,16 @@ def prefill_attention(
     *,
     out: torch.Tensor,
     scale: float,
+    skip: frozenset[int] = frozenset(),
 ) -> None:
-    """Attention of the sequences with several new tokens, one at a time, written into their rows of `out`."""
+    """Attention of the sequences with several new tokens (but those in `skip`, attended elsewhere), one at a
+    time, written into their rows of `out`."""
     block_size = key_cache.shape[1]
     start = 0
     for i, (query_len, context_len) in enumerate(
         zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
     ):
-        if query_len <= 1:
+        if query_len <= 1 or i in skip:
             start += query_len
             continue
         rows = slice(start, start + query_len)

@@ -292,7 +292,18 @@ class BudgetCloser:
     `max_tokens` cuts it as it always did.
     """
 
-    __slots__ = ("_backoff", "_next_check", "_started", "fallback", "hints", "need", "plan", "tokens")
+    __slots__ = (
+        "_backoff",
+        "_fit",
+        "_next_check",
+        "_started",
+        "fallback",
+        "fell_short",
+        "hints",
+        "need",
+        "plan",
+        "tokens",
+    )
 
     def __init__(self, tokens: ByteTokens, *, hints: Sequence[bytes] = ()):
         self.tokens = tokens
@@ -306,6 +317,10 @@ class BudgetCloser:
         self._next_check = 1 << 62  # compute once the tokens left fall to this (the first step: at once)
         self._backoff = 0
         self._started = False
+        self._fit: bool | None = None  # whether the last look found a completion within the budget
+        # The last failed step found the output out of reach where the look before it had found it within
+        # reach (or there was none): only then can a completion from just before the token still fit.
+        self.fell_short = False
 
     def expect(self, need: int | None) -> None:
         """The completion the grammar needs from its start (`initial_need`): the first step then schedules its
@@ -316,6 +331,7 @@ class BudgetCloser:
         twin = BudgetCloser(self.tokens, hints=self.hints)
         twin.plan, twin.fallback, twin.need = self.plan, self.fallback, self.need
         twin._next_check, twin._backoff, twin._started = self._next_check, self._backoff, self._started
+        twin._fit, twin.fell_short = self._fit, self.fell_short
         return twin
 
     def step(
@@ -345,15 +361,24 @@ class BudgetCloser:
             plan = shortest_completion(
                 grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
             )
+        fit_before, self._fit = self._fit, False
+        self.fell_short = fit_before is not False
         if plan is None:
             # No end found within reach: look again after a while, not at every token.
             self.back_off(left)
             return False
-        self._backoff = 0
         self.need = need = len(plan)
         if need > left:
-            self._next_check = left  # keep looking: the model may close things itself
+            # Out of reach, and it stays so: each token takes one from the budget and shortens the shortest
+            # completion by at most one (the token then the rest would otherwise be a shorter completion). The
+            # walk's count is only an upper bound of the shortest, so look again, but after a growing while,
+            # not at every token (a schema whose minimum output is past max_tokens walked twice a token), and
+            # not before half the gap is spent: the bound is not off by that much.
+            self.back_off(left)
+            self._next_check = min(self._next_check, left - (need - left) // 2)
             return False
+        self._backoff = 0
+        self._fit = True
         self.plan = plan
         self._next_check = _schedule(left, need)
         return True

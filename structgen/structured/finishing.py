@@ -184,13 +184,12 @@ class Finisher:
         grammar.rollback(len(appended))
         self.scanner = before
         fallback = closer.fallback
-        if fallback is None:
+        if fallback is None and closer.fell_short:
             fallback = closer.completion_within(grammar, before, left + 1)
         if fallback is None:
             # No completion fits from before the token either: go on, to be cut by `max_tokens` as before.
             self._accept(grammar, appended)
-            self.scanner = after
-            closer.back_off(room)
+            self.scanner = after  # (the closer has already put its next look off)
             return Advance(True, appended[1:])
         self._accept(grammar, list(fallback))
         self.closed_at_budget = True

@@ -178,6 +178,44 @@ def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
     assert run.closer.fallback == plan
 
 
+def test_closer_looks_rarely_once_the_output_is_out_of_reach(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An output whose shortest end is past the budget (40 items at least, 60 tokens left) cannot come back
+    within it, so the closer neither walks at every token nor asks for a fallback it cannot have."""
+    from structgen.structured import closing
+
+    items = {
+        "type": "array",
+        "minItems": 40,
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["id", "ok"],
+        },
+    }
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = _compile(backends["llguidance"], items)
+    walks = []
+    original = closing.shortest_completion
+    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    left, failures = 60, []
+    for i in range(40):
+        ids = encode(("[" if i == 0 else ",") + f'{{"id":{i},"ok":true}}')
+        left -= len(ids)
+        if left < 1:
+            break
+        if not run.step(ids, left):
+            failures.append((i, run.closer.fell_short))
+    # The first look finds it out of reach (the only failure that could have had a fallback from before it);
+    # later looks are few and ask for none.
+    assert failures[0] == (0, True) and all(not fell for _, fell in failures[1:])
+    assert len(walks) <= 3
+
+
 def test_closer_follows_the_model_writing_the_completion(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:

@@ -1,0 +1,64 @@
+"""CpuAttentionBackend (the native kernels) against the dense reference on mixed steps: decode rows, a few new
+tokens on a cached context (forced tokens fed with the next pick) attended as decode rows, and prefills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structgen.kernels import cpu_ops
+from test_torch_backend import Scenario
+
+from structgen.attention import cpu_backend, torch_backend
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the native CPU kernels could not be built")
+
+LIMIT = cpu_backend.MAX_EXTEND_AS_DECODE
+CASES = {
+    # Decode rows, short extensions of cached contexts (up to the limit), a longer extension, fresh prefills.
+    "extend": ([40, 0, 17, 100, 5, 64, 3], [3, 7, 1, LIMIT, 2, LIMIT + 4, 1]),
+    "extend-only": ([31, 8, 200], [2, 5, 11]),
+    "block-edges": ([15, 16, 17, 63], [2, 1, 16, 1]),
+}
+
+
+def run(scenario: Scenario) -> torch.Tensor:
+    new_k = torch.cat([k[c:] for k, c in zip(scenario.keys, scenario.cached, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(scenario.values, scenario.cached, strict=True)])
+    return cpu_backend.CpuAttentionBackend().forward(
+        torch.cat(scenario.queries),
+        new_k,
+        new_v,
+        (scenario.key_cache, scenario.value_cache),
+        scenario.metadata(),
+        scale=scenario.head_dim**-0.5,
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_mixed_steps_match_the_dense_reference(case: str, heads: int, kv_heads: int) -> None:
+    cached, new = CASES[case]
+    scenario = Scenario(cached, new, heads=heads, kv_heads=kv_heads, head_dim=64, block_size=16, seed=7)
+    torch.testing.assert_close(run(scenario).double(), scenario.expected(), atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_matches_the_torch_backend() -> None:
+    cached, new = CASES["extend"]
+    scenario = Scenario(cached, new, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
+
+
+def test_short_extensions_skip_the_per_sequence_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    attended: list[int] = []
+    original = torch_backend.prefill_attention
+
+    def spy(*args, skip=frozenset(), **kwargs):
+        metadata = args[5]
+        attended.extend(i for i, n in enumerate(metadata.query_lens_cpu) if n > 1 and i not in skip)
+        return original(*args, skip=skip, **kwargs)
+
+    monkeypatch.setattr(cpu_backend, "prefill_attention", spy)
+    cached, new = CASES["extend"]
+    run(Scenario(cached, new, head_dim=64, block_size=16))
+    # Only the fresh prompt (no cache) and the extension past the limit take SDPA.
+    assert attended == [1, 5]
