@@ -13,6 +13,10 @@ from structgen.commands import validate as validate_command
 from structgen.commands.engine_args import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
 
+# `structgen.server.limits.DEFAULT_RESPONSES_STORE_SIZE` (a test keeps them equal): importing the server for
+# `--help` would cost seconds.
+DEFAULT_RESPONSES_STORE_SIZE = 1024
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -69,6 +73,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)",
     )
+    serve.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="responses kept in memory for GET /v1/responses/{id} and previous_response_id, least recently "
+        f"used evicted first; 0 keeps none (default {DEFAULT_RESPONSES_STORE_SIZE})",
+    )
     validate_command.add_parser(sub, model_args=_add_model_args)
     run_batch_command.add_parser(sub, model_args=_add_model_args)
     bench_command.add_parser(sub)
@@ -95,6 +106,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests,
             shutdown_timeout_s=args.shutdown_timeout,
             max_tokens_default=args.max_tokens_default,
+            responses_store_size=args.responses_store_size,
         )
     except ValueError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)

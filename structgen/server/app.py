@@ -26,6 +26,7 @@ from structgen.server.limits import BodySizeLimit, ServerLimits
 from structgen.server.metrics import CONTENT_TYPE, ServerMetrics
 from structgen.server.middleware import RequestLog
 from structgen.server.openapi import add_openapi_route
+from structgen.server.responses import add_responses_routes
 from structgen.server.routes_chat import add_chat_route
 from structgen.server.routes_completions import add_completions_route
 from structgen.server.routes_tokenize import add_tokenize_routes
@@ -95,6 +96,7 @@ def build_app(
 
     add_chat_route(router, ctx)
     add_completions_route(router, ctx)
+    add_responses_routes(router, ctx)
     app.include_router(router)
     # vLLM's /tokenize and /detokenize sit at the root, not under /v1: clients written for vLLM call them there.
     root = APIRouter(dependencies=[auth])

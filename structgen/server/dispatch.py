@@ -40,9 +40,10 @@ async def dispatch(
     params: SamplingParams,
     *,
     events: EventsFactory | None,
+    named_events: bool = False,
 ) -> StreamingResponse | Finished:
-    """With `events` the SSE response (the request is started, so early errors are still plain 4xx);
-    without, the finished outputs."""
+    """With `events` the SSE response (the request is started, so early errors are still plain 4xx; `named_events`
+    frames them as the Responses API does, see `streaming.sse`); without, the finished outputs."""
     request.state.request_id = request_id
     ticket = ctx.lifecycle.open()
     call = Call(ctx, request_id, request, ticket)
@@ -53,7 +54,7 @@ async def dispatch(
             request, start(ctx, ticket, prompts, params, request_id, stream=events is not None)
         )
         if events is not None:
-            return sse(events(call, started), call)
+            return sse(events(call, started), call, named=named_events)
         outputs, prompt_tokens = await unless_disconnected(request, collect(call, started, params.n))
     except BaseException:
         ticket.close()

@@ -1,5 +1,5 @@
-"""Server limits (`--max-request-bytes`, `--max-waiting-requests`, `--shutdown-timeout`, `--max-tokens-default`)
-and the body-size guard.
+"""Server limits (`--max-request-bytes`, `--max-waiting-requests`, `--shutdown-timeout`, `--max-tokens-default`,
+`--responses-store-size`) and the body-size guard.
 
 The guard is pure ASGI and sits in front of FastAPI: a declared `Content-Length` over the limit is refused before
 any byte is read, and a body without one (chunked) is counted as it arrives and refused the moment it passes the
@@ -24,6 +24,9 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 # ~20 s of SmolLM2 decode on a CPU, where the context left (8k for SmolLM2, 32k-128k for Qwen / Llama
 # checkpoints) would let it hold a sequence slot and its KV blocks for minutes.
 DEFAULT_MAX_TOKENS = 4096
+# Stored responses (`--responses-store-size`): a conversation is a few KB of items, so 1,024 of them stay in the
+# megabytes while covering the follow-ups of a busy agent loop.
+DEFAULT_RESPONSES_STORE_SIZE = 1024
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -36,6 +39,8 @@ class ServerLimits:
     retry_after_s: int = 1
     # A chat request without max_tokens / max_completion_tokens stops here (or where the context ends).
     max_tokens_default: int = DEFAULT_MAX_TOKENS
+    # Responses kept for `GET /v1/responses/{id}` and `previous_response_id` (an LRU; 0 keeps none).
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -46,6 +51,8 @@ class ServerLimits:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_tokens_default < 1:
             raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
 
 
 def with_default_max_tokens(

@@ -38,21 +38,14 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
-    """Fields shared by chat and text completions: OpenAI's sampling options and vLLM's extras."""
+class SamplingExtras(_Request):
+    """Sampling fields every generation route takes, the Responses API included (where OpenAI has no such field,
+    they are vLLM's): seed, stop, penalties, vLLM's sampling extras and structured-output fields."""
 
-    model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    user: str | None = None
     # vLLM's extras, sent by the `openai` SDK as top-level fields through `extra_body`.
     top_k: int | None = None
     min_p: float | None = None
@@ -64,6 +57,19 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+
+class _SamplingFields(SamplingExtras):
+    """Fields shared by chat and text completions: OpenAI's sampling options (and, inherited, vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
 
     def structured_options(self) -> dict[str, Any]:
         """The options of `structured_outputs` (budget closing, loop guard, whitespace, strict), checked."""

@@ -1,74 +1,116 @@
-"""`POST /v1/chat/completions`."""
+"""`POST /v1/chat/completions`, and the chat pipeline behind it, which the Responses API runs too.
+
+`run_chat` takes a `ChatCompletionRequest` through the whole way (model check, tools, chat template, params,
+the default output cap, dispatch, tool-call parsing) to a finished `ChatCompletion`, or to the SSE response of
+its chunks. A route speaking another API (`server/responses/`) converts its body into a `ChatCompletionRequest`
+and the answer back, and rewrites the chunk stream into its own events, instead of copying the pipeline.
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.errors import APIError
+from structgen.server.generation import Call, Started
 from structgen.server.limits import with_default_max_tokens
 from structgen.server.openapi import generation_responses
 from structgen.server.streaming import chat_chunks
 from structgen.server.tool_calls import ChatTools
 
+ChunkStream = AsyncIterator[dict[str, Any]]
+# Turns a started request's chat chunks (tool calls parsed, the usage chunk last when asked for) into the events
+# another API streams instead.
+ChunkRewriter = Callable[[Call, list[Started], ChunkStream], ChunkStream]
+
+
+@dataclass(slots=True)
+class ChatAnswer:
+    """A finished chat request: the completion chat answers with, and what other APIs read beyond it."""
+
+    completion: p.ChatCompletion
+    started: list[Started]  # the first output of each engine request (prefix-cache hits, prompts)
+
 
 def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
     @router.post("/chat/completions", response_model=None, responses=generation_responses(p.ChatCompletion))
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
-        check_model(body.model, ctx.model_name)
-        params = body.to_sampling_params()
-        messages = [m.for_template() for m in body.messages]
-        tools = ChatTools.from_request(body, ctx.tokenizer, messages, params)
-        try:
-            text = ctx.tokenizer.apply_chat_template(
-                tools.messages, add_generation_prompt=True, tools=tools.template_tools
-            )
-        except Exception as error:  # a template that rejects the conversation (roles out of order...)
-            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
-        prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-        prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
-        run_params = tools.params
-        if not body.max_tokens_given:  # never "until the context is full"
-            run_params = with_default_max_tokens(
-                run_params,
-                default=ctx.limits.max_tokens_default,
-                prompt_tokens=len(prompt_ids),
-                max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
-            )
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        result = await dispatch(
-            ctx,
-            request,
-            p.new_id("chatcmpl"),
-            [prompt],
+        answer = await run_chat(ctx, request, body, request_id=p.new_id("chatcmpl"))
+        return answer if isinstance(answer, StreamingResponse) else answer.completion
+
+
+async def run_chat(
+    ctx: ServerContext,
+    request: Request,
+    body: p.ChatCompletionRequest,
+    *,
+    request_id: str,
+    rewrite: ChunkRewriter | None = None,
+) -> StreamingResponse | ChatAnswer:
+    """The chat pipeline: the finished answer, or with `body.stream` the SSE response of its chunks. `rewrite`
+    replaces the chunks with another API's typed events, framed as named SSE events (`streaming.sse`)."""
+    check_model(body.model, ctx.model_name)
+    params = body.to_sampling_params()
+    messages = [m.for_template() for m in body.messages]
+    tools = ChatTools.from_request(body, ctx.tokenizer, messages, params)
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            tools.messages, add_generation_prompt=True, tools=tools.template_tools
+        )
+    except Exception as error:  # a template that rejects the conversation (roles out of order...)
+        raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
+    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
+    run_params = tools.params
+    if not body.max_tokens_given:  # never "until the context is full"
+        run_params = with_default_max_tokens(
             run_params,
-            events=(lambda call, started: tools.events(chat_chunks(call, started, params.n, include_usage)))
-            if body.stream
-            else None,
+            default=ctx.limits.max_tokens_default,
+            prompt_tokens=len(prompt_ids),
+            max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
         )
-        if not isinstance(result, Finished):
-            return result
-        choices = [
-            p.ChatChoice(
-                index=i,
-                message=tools.message(o),
-                logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
-                finish_reason=tools.finish_reason(o),
-                structured=p.StructuredInfo.of(o),
-            )
-            for i, o in enumerate(result.outputs)
-        ]
-        return p.ChatCompletion(
-            id=result.call.id,
-            created=result.call.created,
-            model=ctx.model_name,
-            choices=choices,
-            usage=result.call.finish(result.prompt_tokens, result.outputs),
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def events(call: Call, started: list[Started]) -> ChunkStream:
+        chunks = tools.events(chat_chunks(call, started, params.n, include_usage))
+        return chunks if rewrite is None else rewrite(call, started, chunks)
+
+    result = await dispatch(
+        ctx,
+        request,
+        request_id,
+        [prompt],
+        run_params,
+        events=events if body.stream else None,
+        named_events=rewrite is not None,
+    )
+    if not isinstance(result, Finished):
+        return result
+    choices = [
+        p.ChatChoice(
+            index=i,
+            message=tools.message(o),
+            logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
+            finish_reason=tools.finish_reason(o),
+            structured=p.StructuredInfo.of(o),
         )
+        for i, o in enumerate(result.outputs)
+    ]
+    completion = p.ChatCompletion(
+        id=result.call.id,
+        created=result.call.created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=result.call.finish(result.prompt_tokens, result.outputs),
+    )
+    return ChatAnswer(completion, result.started)
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -2,6 +2,7 @@
 
 A client that goes away cancels the stream, which aborts the engine requests and frees their KV blocks. A
 stream that cannot finish (engine failure, aborted by shutdown) ends with an OpenAI error event, then `[DONE]`.
+The Responses API frames its typed events differently (`named`): each under an `event:` line, and no `[DONE]`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,23 @@ from structgen.server.generation import Call, Started, outputs, prompt_tokens
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse(events: AsyncIterator[dict[str, Any]], call: Call) -> StreamingResponse:
+def sse(events: AsyncIterator[dict[str, Any]], call: Call, *, named: bool = False) -> StreamingResponse:
+    """The SSE response of `events`. `named`: typed events (a `type` field each, as the Responses API sends them)
+    go out under `event: <type>` lines and the stream just ends, as OpenAI's does (no `[DONE]`); such a stream
+    reports its own errors as events, in its own shape."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+                data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+                yield f"event: {event['type']}\ndata: {data}\n\n" if named else f"data: {data}\n\n"
         except APIError as error:
             event = error_body(error.status, error.message, param=error.param, code=error.code)
             yield f"data: {json.dumps(event)}\n\n"
         finally:
             call.ticket.close()
-        yield "data: [DONE]\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
 
     # The background task closes the ticket even when the body never started (client gone at once).
     return StreamingResponse(

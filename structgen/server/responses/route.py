@@ -1,0 +1,138 @@
+"""`POST /v1/responses` and the stored responses behind `GET` / `DELETE /v1/responses/{id}`,
+`POST /v1/responses/{id}/cancel` and `GET /v1/responses/{id}/input_items`.
+
+A request is served by the chat pipeline (`routes_chat.run_chat`): converted into a `ChatCompletionRequest`,
+answered, and the answer (or its chunk stream) converted back. Background mode is not supported: a
+`background: true` request is a 400, so `cancel` has nothing to cancel and answers a 400 for any stored
+response, as OpenAI does for one not created in the background.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from structgen.server.context import ServerContext
+from structgen.server.errors import APIError
+from structgen.server.generation import Call, Started
+from structgen.server.openapi import generation_responses
+from structgen.server.responses.convert import chat_request, input_items, responses_error
+from structgen.server.responses.events import response_events
+from structgen.server.responses.output import from_choice, response_head, response_object, usage_of
+from structgen.server.responses.protocol import (
+    DeletedResponse,
+    InputItemList,
+    Response,
+    ResponsesRequest,
+    new_id,
+)
+from structgen.server.responses.store import ResponseStore, StoredResponse
+from structgen.server.routes_chat import ChunkStream, run_chat
+
+MAX_LIST_LIMIT = 100
+
+
+def add_responses_routes(router: APIRouter, ctx: ServerContext) -> ResponseStore:
+    """Add the Responses API to `router`; returns its store (sized by `ctx.limits.responses_store_size`)."""
+    store = ResponseStore(ctx.limits.responses_store_size)
+
+    @router.post("/responses", response_model=None, responses=generation_responses(Response))
+    async def create(body: ResponsesRequest, request: Request) -> Any:
+        try:
+            return await _create(ctx, store, body, request)
+        except APIError as error:
+            raise responses_error(error) from None
+
+    @router.get("/responses/{response_id}", response_model=Response)
+    async def retrieve(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id).response)
+
+    @router.delete("/responses/{response_id}")
+    async def delete(response_id: str) -> DeletedResponse:
+        store.delete(response_id)
+        return DeletedResponse(id=response_id)
+
+    @router.post("/responses/{response_id}/cancel", response_model=Response)
+    async def cancel(response_id: str) -> JSONResponse:
+        store.get(response_id)  # an unknown id is a 404 first
+        raise APIError(
+            400,
+            f"cannot cancel response {response_id!r}: only background responses can be cancelled, and this "
+            "server does not run responses in the background",
+            code="not_background",
+        )
+
+    @router.get("/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str,
+        limit: int = Query(default=20, ge=1, le=MAX_LIST_LIMIT),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> InputItemList:
+        items = store.get(response_id).input_items
+        ordered = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in ordered]
+            if after not in ids:
+                raise APIError(404, f"response {response_id!r} has no input item {after!r}", param="after")
+            ordered = ordered[ids.index(after) + 1 :]
+        page = ordered[:limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(ordered) > limit,
+        )
+
+    return store
+
+
+async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, request: Request) -> Any:
+    if body.background:
+        raise APIError(
+            400,
+            "background mode is not supported by this server: send the request without background "
+            "(stream: true gives the output as it is generated)",
+            param="background",
+        )
+    previous = (
+        store.get(body.previous_response_id, param="previous_response_id")
+        if body.previous_response_id is not None
+        else None
+    )
+    context = previous.context if previous is not None else []
+    items = input_items(body.input)
+    chat = chat_request(body, context=context, items=items)
+    head = response_head(body, response_id=new_id("resp"), model=ctx.model_name)
+
+    def remember(response: dict[str, Any]) -> None:
+        if body.store:
+            entry = StoredResponse(
+                response=response, input_items=items, context=[*context, *items, *response["output"]]
+            )
+            store.put(entry)
+
+    def rewrite(call: Call, started: list[Started], chunks: ChunkStream) -> ChunkStream:
+        return response_events(chunks, head=head, cached_tokens=_cached(started), on_done=remember)
+
+    answer = await run_chat(ctx, request, chat, request_id=head["id"], rewrite=rewrite)
+    if isinstance(answer, StreamingResponse):
+        return answer
+    choice, usage = answer.completion.choices[0], answer.completion.usage
+    output, status = from_choice(choice)
+    response = response_object(
+        head,
+        status=status,
+        output=output,
+        usage=usage_of(usage.prompt_tokens, usage.completion_tokens, _cached(answer.started)),
+        structured=choice.structured,
+    ).model_dump()
+    remember(response)
+    return JSONResponse(response)
+
+
+def _cached(started: list[Started]) -> int:
+    """Prompt tokens served from the prefix cache."""
+    return sum(first.num_cached_tokens for _, first in started)
