@@ -1,9 +1,10 @@
 """`POST /v1/chat/completions`, and the chat pipeline behind it, which the Responses API runs too.
 
-`run_chat` takes a `ChatCompletionRequest` through the whole way (model check, tools, chat template, params,
-the default output cap, dispatch, tool-call parsing) to a finished `ChatCompletion`, or to the SSE response of
-its chunks. A route speaking another API (`server/responses/`) converts its body into a `ChatCompletionRequest`
-and the answer back, and rewrites the chunk stream into its own events, instead of copying the pipeline.
+`run_chat` takes a `ChatCompletionRequest` through the whole way (model check, params, the prompt with its
+tools (`chat_prompt`), the default output cap, dispatch, tool-call parsing) to a finished `ChatCompletion`, or
+to the SSE response of its chunks. A route speaking another API (`server/responses/`) converts its body into a
+`ChatCompletionRequest` and the answer back, and rewrites the chunk stream into its own events, instead of
+copying the pipeline.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from structgen.server import protocol as p
+from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.errors import APIError
@@ -23,7 +25,6 @@ from structgen.server.generation import Call, Started
 from structgen.server.limits import with_default_max_tokens
 from structgen.server.openapi import generation_responses
 from structgen.server.streaming import chat_chunks
-from structgen.server.tool_calls import ChatTools
 
 ChunkStream = AsyncIterator[dict[str, Any]]
 # Turns a started request's chat chunks (tool calls parsed, the usage chunk last when asked for) into the events
@@ -58,22 +59,14 @@ async def run_chat(
     replaces the chunks with another API's typed events, framed as named SSE events (`streaming.sse`)."""
     check_model(body.model, ctx.model_name)
     params = body.to_sampling_params()
-    messages = [m.for_template() for m in body.messages]
-    tools = ChatTools.from_request(body, ctx.tokenizer, messages, params)
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            tools.messages, add_generation_prompt=True, tools=tools.template_tools
-        )
-    except Exception as error:  # a template that rejects the conversation (roles out of order...)
-        raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
-    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-    prompt = {"prompt": text, "prompt_token_ids": prompt_ids}
+    prompt = chat_prompt(ctx.tokenizer, body, params)
+    tools = prompt.tools
     run_params = tools.params
     if not body.max_tokens_given:  # never "until the context is full"
         run_params = with_default_max_tokens(
             run_params,
             default=ctx.limits.max_tokens_default,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt.token_ids),
             max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
         )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -86,7 +79,7 @@ async def run_chat(
         ctx,
         request,
         request_id,
-        [prompt],
+        [prompt.engine_prompt],
         run_params,
         events=events if body.stream else None,
         named_events=rewrite is not None,
