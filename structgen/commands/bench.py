@@ -19,6 +19,7 @@ BENCHMARKS = {
     "coverage": ("structured_coverage", "JSONSchemaBench coverage of auto vs llguidance alone (minutes)"),
     "sampler": ("sampler", "the batched sampler vs torch.argmax"),
     "server": ("server", "the HTTP server under concurrent load"),
+    "run-batch": ("run_batch", "structgen run-batch vs the HTTP server on the same structured requests"),
     "kernels": ("kernels", "Triton kernels vs their torch references"),
     "tools": ("tools", "tool calling"),
     "completion": (
