@@ -1,5 +1,6 @@
-"""The switches of structured outputs that always finish, shared by `serve`, `generate` and `validate`: each
-command that builds a `StructuredOutputConfig` takes the same two flags and passes them on unchanged."""
+"""The switches of structured outputs that always finish, shared by `serve`, `run-batch`, `generate` and
+`validate`: each command that builds a `StructuredOutputConfig` takes the same two flags and passes them on
+unchanged."""
 
 from __future__ import annotations
 

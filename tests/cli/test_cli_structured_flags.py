@@ -1,6 +1,6 @@
 """`--no-structured-budget-closing` / `--no-structured-loop-guard` reach the `StructuredOutputConfig` that
-`serve`, `generate` and `validate` build, and `--max-tokens-default` the server's limits. The engine is
-replaced by a recorder that stops the command once it has the config: no model loads."""
+`serve`, `run-batch`, `generate` and `validate` build, and `--max-tokens-default` the server's limits. The
+engine is replaced by a recorder that stops the command once it has the config: no model loads."""
 
 from __future__ import annotations
 
@@ -101,3 +101,25 @@ def test_validate_through_a_server_refuses_the_switches(
     ]
     assert main(args) == 2
     assert "start the server with them" in capsys.readouterr().err
+
+
+def test_run_batch_builds_what_serve_builds_with_admission_at_its_window(
+    built: list[Any], tmp_path: Path
+) -> None:
+    """run-batch takes serve's engine options; its admission limit is the window of lines in flight, so it can
+    never answer its own lines 429."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("")
+    args = ["run-batch", "-i", str(requests), "-o", str(tmp_path / "out.jsonl"), "--model", "tiny"]
+    options = ["--no-structured-loop-guard", "--max-tokens-default", "300", "--kv-cache-tokens", "4096"]
+    with pytest.raises(Built):
+        main([*args, *options, "--max-num-seqs", "24"])
+    config, limits = built
+    assert _switches(config) == (True, False) and config.cache.kv_cache_tokens == 4096
+    assert config.scheduler.max_num_seqs == 24
+    assert (limits.max_tokens_default, limits.max_waiting_requests) == (300, 48)  # twice --max-num-seqs
+    built.clear()
+    with pytest.raises(Built):
+        main([*args, "--max-concurrency", "5"])
+    config, limits = built
+    assert _switches(config) == (True, True) and limits.max_waiting_requests == 5
