@@ -17,7 +17,15 @@ from structgen.engine.async_engine import AsyncEngine
 EXAMPLES_PER_OPERATION = 25
 CALL_TIMEOUT_S = 30.0
 # Generation fields whose value sets the work a request costs: big ones are clamped to these.
-CLAMPED = {"max_tokens": 3, "max_completion_tokens": 3, "n": 2, "min_tokens": 2, "top_logprobs": 3}
+CLAMPED = {
+    "max_tokens": 3,
+    "max_completion_tokens": 3,
+    "max_output_tokens": 3,
+    "n": 2,
+    "min_tokens": 2,
+    "top_logprobs": 3,
+}
+_CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @pytest.fixture
@@ -46,8 +54,10 @@ def _clamp(body: Any) -> None:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > most:
             body[name] = most
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = CLAMPED["max_tokens"]  # absent or null means up to the context: too slow here
+    if all(body.get(cap) is None for cap in _CAPS):
+        # Absent or null means the server's default cap (4,096 tokens): too slow here. Chat and completions read
+        # `max_tokens`, the Responses API `max_output_tokens`; each ignores the other's.
+        body["max_tokens"] = body["max_output_tokens"] = CLAMPED["max_tokens"]
 
 
 def _check(case: Any) -> None:

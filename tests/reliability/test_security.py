@@ -26,6 +26,9 @@ EXPECTED_ROUTES = {
     ("/v1/models", "GET"),
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
+    ("/v1/responses", "POST"),
+    ("/v1/responses/{response_id}", "GET"),
+    ("/v1/responses/{response_id}", "DELETE"),
 }
 
 
@@ -55,9 +58,10 @@ def test_every_route_but_health_needs_the_key(app: Any) -> None:
             response = call(app, method, path, headers=headers, json={} if method == "POST" else None)
             assert_error(response, 401, "API key")
     assert call(app, "GET", "/health", headers=None).json() == {"status": "ok"}
-    # With the key the closed routes answer (a GET here, an empty POST body a 400, not a 401).
+    # With the key the closed routes answer (a GET here, an empty POST body a 400, an id no object has a 404:
+    # not a 401).
     for path, method in sorted(routes - OPEN_ROUTES):
-        expected = 200 if method == "GET" else 400
+        expected = 404 if "{" in path else 200 if method == "GET" else 400
         assert call(app, method, path, json={} if method == "POST" else None).status_code == expected, path
 
 

@@ -39,6 +39,8 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _item(item: Any, where: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise APIError(400, f"{where} must be an object, got {type(item).__name__}", param=where)
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise APIError(400, f"{where}.id must be a string", param=f"{where}.id")
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
         return _message(item, where)
