@@ -245,3 +245,20 @@ def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_idle(live: str, eng
     wait_idle(engine)
     stats = engine.engine.stats()
     assert stats.num_requests_aborted == aborted + 1 and stats.kv_blocks_used == 0
+
+
+def test_logprobs_when_included_plain_and_streamed(app: Any) -> None:
+    body = {"input": "Hi", "ignore_eos": True, "seed": 2, "top_logprobs": 2}
+    body |= {"include": ["message.output_text.logprobs"], "max_output_tokens": 3}
+    plain = call(app, "POST", "/v1/responses", json=body).json()
+    (part,) = plain["output"][0]["content"]
+    assert len(part["logprobs"]) == 3 and "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
+    assert all(len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0 for lp in part["logprobs"])
+    events = stream(app, **body)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [lp for e in deltas for lp in e["logprobs"]] == part["logprobs"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == part["logprobs"]
+    # Without the include, no logprobs (top_logprobs alone asks for none, as OpenAI's).
+    bare = call(app, "POST", "/v1/responses", json=body | {"include": []}).json()
+    assert bare["output"][0]["content"][0]["logprobs"] == []
