@@ -331,3 +331,12 @@ def test_a_tool_turn_through_previous_response_id_or_explicit_items_is_the_same_
     listed = call(app, "GET", f"/v1/responses/{explicit['id']}/input_items", params={"order": "asc"}).json()
     assert [i["type"] for i in listed["data"]] == ["message", "function_call", "function_call_output"]
     assert listed["data"][1]["id"] == call_item["id"]  # a client's own item ids are kept
+
+
+def test_metrics_count_the_routes_by_template(engine: AsyncEngine) -> None:
+    fresh = build_app(engine, engine.engine.tokenizer, model_name="tiny")
+    create(fresh, input="x", max_output_tokens=1)
+    call(fresh, "GET", "/v1/responses/resp_unknown", headers=None)
+    text = call(fresh, "GET", "/metrics", headers=None).text
+    assert 'structgen_http_requests_total{method="POST",route="/v1/responses",status="200"} 1.0' in text
+    assert 'route="/v1/responses/{response_id}",status="404"} 1.0' in text  # the template, not the raw id
