@@ -23,7 +23,8 @@ from structgen.server.errors import APIError
 from structgen.server.responses.protocol import ResponsesRequest, new_id
 
 _ROLES = ("user", "assistant", "system", "developer")
-_TEXT_PARTS = ("input_text", "output_text")
+# Content parts read as text: what a client writes, what the model wrote (an output message sent back).
+_TEXT_PARTS = ("input_text", "output_text", "refusal")
 _ITEM_TYPES = "message, function_call, function_call_output"
 
 
@@ -93,14 +94,14 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _joined(parts: Any, where: str, kinds: tuple[str, ...]) -> str:
-    """The text of a list of content parts (text parts only; a refusal counts as the assistant's text)."""
+    """The text of a list of content parts of `kinds` (a refusal's text is its `refusal`)."""
     if not isinstance(parts, list):
         raise APIError(400, f"{where} must be a string or a list of content parts", param=where)
     texts = []
     for i, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         key = "refusal" if kind == "refusal" else "text"
-        if (kind not in kinds and kind != "refusal") or not isinstance(part.get(key), str):
+        if kind not in kinds or not isinstance(part.get(key), str):
             raise APIError(
                 400,
                 f"{where}[{i}]: only text content parts are supported ({', '.join(kinds)}), got {kind!r}",
