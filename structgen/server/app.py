@@ -1,9 +1,9 @@
-"""The FastAPI app: OpenAI's `/v1/models`, `/v1/chat/completions` and `/v1/completions` over an `AsyncEngine`,
-plus `/health`, `/metrics` and vLLM's `/tokenize` / `/detokenize`.
+"""The FastAPI app: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses` over an
+`AsyncEngine`, plus `/health`, `/metrics` and vLLM's `/tokenize` / `/detokenize`.
 
-The routes live in `routes_chat.py` / `routes_completions.py` / `routes_tokenize.py`, the engine plumbing in
-`generation.py`, SSE in `streaming.py`; this module wires them with auth, limits, metrics and the lifecycle
-(`app.state.server`).
+The routes live in `routes_chat.py` / `routes_completions.py` / `routes_tokenize.py` / `responses/`, the engine
+plumbing in `generation.py`, SSE in `streaming.py`; this module wires them with auth, limits, metrics and the
+lifecycle (`app.state.server`).
 """
 
 from __future__ import annotations
