@@ -7,10 +7,15 @@
     The two engines step alternately and each side sums its own step times, so CPU drift hits both alike;
 (c) time to first token of a request whose schema was never seen (compile in WAITING_FOR_GRAMMAR) vs one
     whose schema is in the compile cache;
-(d) share of output tokens produced by jump-forward on JSONSchemaBench schemas (a few per subset).
+(d) share of output tokens produced by jump-forward on JSONSchemaBench schemas (a few per subset);
+(s) structural shapes (arrays of small objects, nested objects, enums, optional members and anyOf, and (a)'s
+    long string), JSON Schema vs unconstrained, closed loop at `--concurrency` requests per side, jump-forward
+    on; ratios counting sampled tokens only and with forced ones, optionally a per-phase breakdown of the step
+    and the same through the HTTP server (see `structured_shapes`; not in the default parts).
 
     structgen bench structured --model tiny [--repeats N] [--parts a,c,d] [--json OUT]
     structgen bench structured                  # the default SmolLM2-135M
+    structgen bench structured --parts s [--shapes items,enums] [--breakdown] [--http] [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 from structgen.bench import shared_data
 
 DATA = shared_data()
+# Part (s)'s shapes (`structured_shapes.SHAPES`; named here so that --help does not import the engine).
+SHAPE_NAMES = ("items", "nested", "enums", "optional_anyof", "in_string")
 # Every request decodes to max_tokens under it: the string cannot close earlier.
 LONG_SCHEMA = {
     "type": "object",
@@ -45,7 +52,9 @@ SCHEMA = {
 }
 
 
-def make_engine(model: str | None, *, jump_forward: bool = True, max_num_seqs: int = 64) -> Any:
+def make_engine(
+    model: str | None, *, jump_forward: bool = True, max_num_seqs: int = 64, kv_cache_tokens: int = 32768
+) -> Any:
     from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.engine.llm_engine import LLMEngine
     from structgen.structured import StructuredOutputConfig
@@ -53,7 +62,7 @@ def make_engine(model: str | None, *, jump_forward: bool = True, max_num_seqs: i
     config = EngineConfig(
         model=model,
         device="cpu",
-        cache=CacheConfig(kv_cache_tokens=32768),
+        cache=CacheConfig(kv_cache_tokens=kv_cache_tokens),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
         structured=StructuredOutputConfig(jump_forward=jump_forward),
     )
@@ -166,16 +175,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="registry name (tiny) or None for the default SmolLM2")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--max-tokens", type=int, default=None, help="per request (default: 32 for a and d, 256 for s)"
+    )
     ap.add_argument("--ttft-repeats", type=int, default=3)
     ap.add_argument("--per-subset", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--repeats", type=int, default=1, help="measure (a) this many times; the median is the result"
     )
-    ap.add_argument("--parts", default="a,c,d", help="which of a, c, d to run (comma-separated)")
+    ap.add_argument("--parts", default="a,c,d", help="which of a, c, d, s to run (comma-separated)")
+    s = ap.add_argument_group("part s (structural shapes)")
+    s.add_argument("--shapes", default=",".join(SHAPE_NAMES), help="comma-separated, of: %(default)s")
+    s.add_argument(
+        "--concurrency", type=int, default=32, help="requests in flight per side (default %(default)s)"
+    )
+    s.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="measured decode steps per side, in process (default %(default)s; 0: only --http)",
+    )
+    s.add_argument(
+        "--breakdown", action="store_true", help="also time each phase of the step (a second pass)"
+    )
+    s.add_argument("--http", action="store_true", help="also measure through the OpenAI server")
+    s.add_argument(
+        "--requests", type=int, default=64, help="HTTP requests per side per shape (default %(default)s)"
+    )
+    s.add_argument(
+        "--passes", type=int, default=2, help="HTTP passes, the sides alternating (default %(default)s)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    max_tokens = args.max_tokens if args.max_tokens is not None else 32
+    unknown = set(args.shapes.split(",")) - set(SHAPE_NAMES) - {""}
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(sorted(unknown))} (one of: {', '.join(SHAPE_NAMES)})")
 
     import torch
 
@@ -183,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"model": args.model or "smollm2-135m (default)"}
     parts = set(args.parts.split(","))
     if "a" in parts:
-        runs = [throughput(args.model, args.batch, args.max_tokens, LONG_SCHEMA) for _ in range(args.repeats)]
+        runs = [throughput(args.model, args.batch, max_tokens, LONG_SCHEMA) for _ in range(args.repeats)]
         ratios = [constrained / plain for plain, constrained in runs]
         plain, constrained = runs[ratios.index(statistics.median_low(ratios))]
         result["a_throughput"] = {
@@ -200,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ratio": round(cold / warm, 2),
         }
     if "d" in parts:
-        result["d_jump_forward"] = jump_share(make_engine(args.model), args.per_subset, args.max_tokens * 2)
+        result["d_jump_forward"] = jump_share(make_engine(args.model), args.per_subset, max_tokens * 2)
+    if "s" in parts:
+        from structgen.bench.structured_shapes import run as run_shapes
+
+        result["s_shapes"] = run_shapes(args)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

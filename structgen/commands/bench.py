@@ -13,7 +13,7 @@ BENCHMARKS = {
     "engine": ("engine", "engine throughput vs HF generate, KV waste, prefix caching, decode scaling"),
     "structured": (
         "structured_engine",
-        "JSON Schema vs unconstrained decode, compile-cache TTFT, jump-forward",
+        "JSON Schema vs unconstrained decode, compile-cache TTFT, jump-forward; --parts s: structural shapes",
     ),
     "mask-fill": ("mask_fill", "bitmask fill per request-step vs the backend library's own call"),
     "coverage": ("structured_coverage", "JSONSchemaBench coverage of auto vs llguidance alone (minutes)"),

@@ -242,7 +242,8 @@ class StructuredInfo(BaseModel):
     path (exact / rewritten / restricted / relaxed), whether the output validates, the resamples it took,
     whether it was closed at the budget (steered onto its shortest valid completion as `max_tokens` or the
     context ran out: it finished "stop" where it would have been cut) and how many looping values the loop
-    guard ended. An extension of OpenAI's shape: SDKs keep it as an extra field."""
+    guard ended, and how many of its tokens the grammar forced (jump-forward: appended without sampling, part of
+    `usage.completion_tokens`). An extension of OpenAI's shape: SDKs keep it as an extra field."""
 
     backend: str | None
     path: str | None
@@ -250,6 +251,7 @@ class StructuredInfo(BaseModel):
     retries: int
     closed_at_budget: bool
     loops_ended: int
+    forced_tokens: int = 0
 
     @classmethod
     def of(cls, output: CompletionOutput) -> StructuredInfo | None:
@@ -264,6 +266,7 @@ class StructuredInfo(BaseModel):
             retries=report.retries,
             closed_at_budget=report.closed_at_budget,
             loops_ended=report.loops_ended,
+            forced_tokens=report.forced_tokens,
         )
 
 

@@ -22,7 +22,7 @@ from structgen.server import build_app
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-REPORT_KEYS = {"backend", "path", "valid", "retries", "closed_at_budget", "loops_ended"}
+REPORT_KEYS = {"backend", "path", "valid", "retries", "closed_at_budget", "loops_ended", "forced_tokens"}
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer"}},
@@ -90,6 +90,7 @@ def check_report(report: Any) -> None:
     )
     assert isinstance(report["valid"], bool) and isinstance(report["retries"], int)
     assert isinstance(report["closed_at_budget"], bool) and isinstance(report["loops_ended"], int)
+    assert isinstance(report["forced_tokens"], int) and report["forced_tokens"] >= 0
 
 
 def test_plain_choices_carry_the_report_and_unconstrained_ones_null(app: Any, engine: AsyncEngine) -> None:

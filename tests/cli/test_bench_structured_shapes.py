@@ -1,0 +1,135 @@
+"""`structgen bench structured --parts s`: the shapes are the closed schemas the issue asks for, the phase timer
+counts exclusive time and puts every function back, and small runs on `tiny` (in process with the breakdown,
+and through HTTP) report every field. The numbers themselves mean nothing at these sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from structgen.bench import structured_phases as phases
+from structgen.bench.structured_engine import SHAPE_NAMES
+from structgen.bench.structured_shapes import SHAPES, Tally, validator
+from structgen.cli import main
+
+RATES = ("unconstrained_tok_s", "constrained_sampled_tok_s", "ratio_sampled", "constrained_total_tok_s")
+
+
+def _objects(schema: Any) -> list[dict[str, Any]]:
+    found = []
+    if isinstance(schema, dict):
+        if schema.get("type") == "object":
+            found.append(schema)
+        for value in schema.values():
+            found += _objects(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            found += _objects(value)
+    return found
+
+
+def test_shapes_are_closed_schemas_named_in_the_cli() -> None:
+    assert tuple(SHAPES) == SHAPE_NAMES
+    for name, schema in SHAPES.items():
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        if name != "in_string":  # part (a)'s schema, kept as it is
+            for obj in _objects(schema):
+                assert obj["additionalProperties"] is False and obj["required"], (name, obj)
+    assert SHAPES["items"]["properties"]["items"]["minItems"] == 40
+
+
+def test_tally_counts_only_complete_outputs_as_valid_or_not() -> None:
+    tally, check = Tally(), validator(SHAPES["nested"])
+    good = {
+        "name": "A",
+        "age": 3,
+        "address": {"street": "s", "city": "c", "zip": "12345"},
+        "contact": {"email": "a@b.io", "phone": "1234567"},
+    }
+    tally.count(json.dumps(good), "stop", check)
+    tally.count(json.dumps({**good, "age": 500}), "stop", check)
+    tally.count('{"name": "A', "length", check)
+    tally.count("not json", "stop", check)
+    assert (tally.finished, tally.stop, tally.length, tally.valid, tally.invalid) == (4, 3, 1, 1, 2)
+
+
+class _Clock:
+    """A fake `time` for the phase timer: the wrapped methods below advance it by whole seconds."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+class _Leaf:
+    def inner(self) -> None:
+        _Clock.now += 2
+
+
+class _Root:
+    def outer(self, leaf: _Leaf) -> None:
+        _Clock.now += 1
+        leaf.inner()
+        leaf.inner()
+
+
+def test_phase_timer_reports_exclusive_time_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    targets = (("outer", f"{__name__}:_Root.outer"), ("inner", f"{__name__}:_Leaf.inner"))
+    targets += (("gone", f"{__name__}:_Root.renamed"),)
+    monkeypatch.setattr(phases, "TARGETS", targets)
+    monkeypatch.setattr(phases, "time", _Clock)
+    original = _Root.outer
+    timer = phases.PhaseTimer()
+    with timer.installed([]):
+        assert _Root.outer is not original
+        _Root().outer(_Leaf())
+    assert _Root.outer is original and "inner" in vars(_Leaf)
+    assert timer.current.seconds == {"outer": 1.0, "inner": 4.0}  # outer without inner's time
+    assert timer.missing == [f"{__name__}:_Root.renamed"]
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "s.json"
+    common = ["--model", "tiny", "--parts", "s", "--concurrency", "4", "--max-tokens", "16"]
+    assert main(["bench", "structured", *common, *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())["s_shapes"]
+
+
+def _check_rates(row: dict[str, Any]) -> None:
+    for key in (*RATES, "ratio_total"):
+        assert isinstance(row[key], float) and row[key] > 0, (key, row)
+    assert 0 < row["forced_share"] < 1  # every shape starts with a forced `{"`
+    c = row["constrained"]
+    assert c["finished"] > 0 and c["finished"] == c["stop"] + c["length"] + c["errors"]
+    assert c["valid"] + c["invalid"] == c["stop"] and c["forced"] > 0
+
+
+def test_in_process_with_breakdown_on_tiny(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--shapes", "enums,in_string", "--steps", "12", "--breakdown")
+    assert (report["concurrency"], report["max_tokens"], report["steps"]) == (4, 16, 12)
+    assert set(report["in_process"]) == {"enums", "in_string"} and "http" not in report
+    for row in report["in_process"].values():
+        _check_rates(row)
+        assert row["unconstrained"]["steps"] == row["constrained"]["steps"] == 12
+        assert "breakdown_missing" not in row  # a renamed engine function: update structured_phases.TARGETS
+        table = row["breakdown_ms_per_step"]
+        for side in ("unconstrained", "json"):
+            assert table[side]["forward"] > 0 and table[side]["step"] > 0
+            named = sum(v for k, v in table[side].items() if k != "step")
+            assert named == pytest.approx(table[side]["step"], abs=0.01)  # exclusive phases add up
+        assert table["json"]["accept"] > 0 and table["unconstrained"]["accept"] == 0
+
+
+def test_through_http_on_tiny(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--shapes", "nested", "--steps", "0", "--http", "--requests", "4")
+    assert report["http_requests"] == 4 and report["http_passes"] == 2 and "in_process" not in report
+    row = report["http"]["nested"]
+    _check_rates(row)
+    assert row["unconstrained"]["finished"] == row["constrained"]["finished"] == 4
+    assert row["unconstrained"]["forced"] == 0
