@@ -18,9 +18,11 @@ from torch import Tensor
 
 from structgen.engine.inverse_cdf import search
 
-# A row is picked among its allowed tokens when the mask allows at most this many (beyond it, masking the whole
-# row costs about the same as gathering and scattering that many entries).
-SPARSE_LIMIT = 1024
+# A row is picked among its allowed tokens when the mask allows at most this many. Measured on one core over a
+# 100k vocabulary: listing and picking among 1,024 allowed tokens ≈ 90 µs, 4,096 ≈ 160 µs, 8,192 ≈ 310 µs, while
+# masking the row and drawing from it whole ≈ 300 µs (and a second draw over the batch). 4,096 takes in a JSON
+# number's position (cl100k's 1-3 digit tokens alone are ~1,100), which 1,024 sent down the whole-row path.
+SPARSE_LIMIT = 4096
 
 
 def row_argmax(x: Tensor) -> Tensor:

@@ -49,8 +49,13 @@ INSIDE_ORDER = (
 _COMMON = 64
 # Inside a string or number, this many fillers are tried for whether the value may end right after them.
 _LOOKAHEAD = 12
-# A walk gives up past this many bytes: no completion of a sane budget is longer.
-MAX_WALK_BYTES = 1024
+# A walk gives up past this many bytes (≈ 1.7 µs a byte with llguidance, more where many fillers are tried).
+# Long enough to find the end of an output whose minimum is long (40 required items: ~1,300 bytes): a walk
+# that gives up tells nothing, so the closer would look again and again, each time paying the whole walk.
+MAX_WALK_BYTES = 2048
+# A walk's token count is an estimate of the shortest completion's, above it by less than this share: an output
+# whose estimate is out of reach by more than that is out of reach for good (see `BudgetCloser.step`).
+_ESTIMATE_MARGIN = 1 / 3
 # Near the limit the completion is recomputed every token: within `2 * need + _WINDOW` tokens of it.
 _WINDOW = 16
 
@@ -371,11 +376,14 @@ class BudgetCloser:
         if need > left:
             # Out of reach, and it stays so: each token takes one from the budget and shortens the shortest
             # completion by at most one (the token then the rest would otherwise be a shorter completion). The
-            # walk's count is only an upper bound of the shortest, so look again, but after a growing while,
-            # not at every token (a schema whose minimum output is past max_tokens walked twice a token), and
-            # not before half the gap is spent: the bound is not off by that much.
-            self.back_off(left)
-            self._next_check = min(self._next_check, left - (need - left) // 2)
+            # walk's count only estimates the shortest (from above): out of reach by more than its margin, never
+            # look again; else look after a growing while, not at every token (a schema whose minimum output is
+            # past max_tokens walked twice a token), and not before half the gap is spent.
+            if need * (1 - _ESTIMATE_MARGIN) > left:
+                self._next_check = -1
+            else:
+                self.back_off(left)
+                self._next_check = min(self._next_check, left - (need - left) // 2)
             return False
         self._backoff = 0
         self._fit = True

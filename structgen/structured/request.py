@@ -26,6 +26,7 @@ from structgen.structured.closing import ByteTokens
 from structgen.structured.errors import GrammarRejectedTokenError, StructuredOutputError
 from structgen.structured.finishing import Advance, Finisher, emits_json, pattern_hints
 from structgen.structured.manager import FillFailures, StructuredOutputManager
+from structgen.structured.pick_hints import PickHints
 from structgen.structured.select import CompiledSpec
 from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
 from structgen.structured.validate import ValidationResult, validate_output
@@ -43,6 +44,13 @@ class StructuredRequest:
         self.num_forced_tokens = 0
         self.validation: ValidationResult | None = None
         self.finisher = _finisher(manager, params, self.spec)
+        self.pick_hints = PickHints()
+
+    @property
+    def position(self) -> int | None:
+        """The kind of position the output is at (the innermost JSON value open; None without a JSON view),
+        which `pick_hints` are kept by."""
+        return self.finisher.scanner.innermost if self.finisher is not None else None
 
     def ready(self) -> bool:
         """The compile finished (successfully or not): the scheduler may call `start`."""
@@ -64,6 +72,7 @@ class StructuredRequest:
             child.grammar = self.grammar.clone()
         if self.finisher is not None:
             child.finisher = self.finisher.copy()
+        child.pick_hints = PickHints(dict(self.pick_hints.rates))
         return child
 
     def accept(self, token_ids: Sequence[int]) -> None:
@@ -192,15 +201,25 @@ class StructuredLogitsProcessor:
         )
         # Sequences whose grammar raised while filling the last mask; the engine fails them (`take_failures`).
         self._failures: list[tuple[Any, Exception]] = []
-        self._last: tuple[list[Any], TokenMask] | None = None  # the last step's sequences and deferred mask
+        # The last step's sequences, deferred mask and each constrained row's position (see `pick_hints`).
+        self._last: tuple[list[Any], TokenMask, dict[int, int | None]] | None = None
+        self._positions: dict[int, int | None] = {}  # this step's, by row
         self._hinted: set[int] = set()  # ids of this step's sequences to mask first (see TokenMask)
 
     def prepare(self, seqs: Sequence[Any]) -> None:
         self._settle()
         items = self._items(seqs)
-        # Rows the sampler had to mask or pick among few tokens at the last step are hinted (see TokenMask).
         last, self._last = self._last, None
-        self._hinted = {id(last[0][r]) for r in last[1].rejected} if last is not None else set()
+        if last is not None:
+            _learn_hints(*last)
+        # Rows whose request's lazy picks are mostly rejected where it now stands are hinted (`pick_hints`).
+        self._positions, self._hinted = {}, set()
+        for _, row in items:
+            request = getattr(seqs[row], "structured", None)
+            if request is not None:
+                position = self._positions[row] = request.position
+                if request.pick_hints.hinted(position):
+                    self._hinted.add(id(seqs[row]))
         ahead, deferred = self._split_deferred(seqs, items)
         future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
         self._pending = (list(seqs), items, deferred, future)
@@ -235,7 +254,7 @@ class StructuredLogitsProcessor:
                 unfilled={row: self._token_check(seqs_[row], grammars[row]) for row in deferred},
                 fill=lambda missing: self._fill_now(seqs_, grammars, missing),
             )
-            self._last = (list(seqs), mask)
+            self._last = (list(seqs), mask, self._positions)
             return mask
         apply_token_bitmask_(logits, self._bitmask, rows=rows)
         return None
@@ -300,6 +319,20 @@ class StructuredLogitsProcessor:
         return items
 
 
+def _learn_hints(seqs: list[Any], mask: TokenMask, positions: dict[int, int | None]) -> None:
+    """Feed the last step's outcome to each request's pick hints: rows picked lazily, whether the mask rejected
+    the pick (after drawing again); rows hinted, that they were."""
+    eager, rejected = set(mask.eager), set(mask.rejected)
+    for row, position in positions.items():
+        request = getattr(seqs[row], "structured", None)
+        if request is None or row not in mask.rows:
+            continue
+        if row in eager:
+            request.pick_hints.picked_hinted(position)
+        else:
+            request.pick_hints.picked_lazily(position, rejected=row in rejected)
+
+
 def _finisher(
     manager: StructuredOutputManager, params: StructuredOutputsParams, spec: StructuredSpec
 ) -> Finisher | None:
@@ -312,7 +345,9 @@ def _finisher(
         else json_output and config.close_at_budget
     )
     guard = params.loop_guard if params.loop_guard is not None else json_output and config.loop_guard
-    if not close and not guard:
+    if not close and not guard and not json_output:
+        # (A JSON output keeps its scanner even with both off: where it stands is what its pick hints are kept
+        # by, and a seeded request must draw the same tokens whether closing is on or off.)
         return None
     return Finisher(
         ByteTokens.of(manager.tokenizer),

@@ -145,14 +145,20 @@ def test_deferred_rows_are_checked_by_their_grammar_and_filled_only_when_needed(
 
 def test_a_deferred_row_is_masked_first_once_hinted(manager, backends, info, encode) -> None:
     from structgen.sampling_params import SamplingParams
+    from structgen.structured.pick_hints import PickHints
 
     llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
-    seqs = [SimpleNamespace(grammar=llg, params=SamplingParams())]
+    request = SimpleNamespace(pick_hints=PickHints(), position=None)
+    seqs = [SimpleNamespace(grammar=llg, params=SamplingParams(), structured=request)]
     processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
     processor.prepare(seqs)
     first = processor(torch.zeros(1, info.vocab_size), seqs)
     assert first is not None and list(first.unfilled) == [0] and first.eager == []
-    first.rejected = [0]  # what the sampler records for a row it had to mask
+    first.rejected = [0]  # what the sampler records for a lazy row it had to mask
+    processor.prepare(seqs)
+    again = processor(torch.zeros(1, info.vocab_size), seqs)
+    assert again is not None and again.eager == []  # one rejection is not a habit yet
+    again.rejected = [0]
     processor.prepare(seqs)
     second = processor(torch.zeros(1, info.vocab_size), seqs)
     assert second is not None and not second.unfilled and second.eager == [0]

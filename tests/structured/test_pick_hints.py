@@ -1,0 +1,38 @@
+"""Pick hints: a position is hinted once lazy picks there are mostly rejected, per kind of position, and tried
+lazily again after a while."""
+
+from __future__ import annotations
+
+from structgen.structured.json_scan import NUMBER, STRING
+from structgen.structured.pick_hints import PickHints
+
+
+def test_hinted_where_lazy_picks_keep_being_rejected() -> None:
+    hints = PickHints()
+    for _ in range(3):
+        hints.picked_lazily(NUMBER, rejected=True)
+        hints.picked_lazily(STRING, rejected=False)
+    assert hints.hinted(NUMBER) and not hints.hinted(STRING)
+    assert not hints.hinted(None)  # a position never seen is picked lazily
+
+
+def test_an_occasional_rejection_does_not_hint() -> None:
+    hints = PickHints()
+    for i in range(40):
+        hints.picked_lazily(STRING, rejected=i % 5 == 0)
+        assert not hints.hinted(STRING)
+
+
+def test_a_hinted_position_is_tried_lazily_again() -> None:
+    hints = PickHints()
+    for _ in range(4):
+        hints.picked_lazily(NUMBER, rejected=True)
+    hinted_in_a_row = 0
+    while hints.hinted(NUMBER):
+        hints.picked_hinted(NUMBER)
+        hinted_in_a_row += 1
+    assert 1 <= hinted_in_a_row <= 20
+    # A model that now writes the number right is picked lazily from then on.
+    for _ in range(3):
+        hints.picked_lazily(NUMBER, rejected=False)
+    assert not hints.hinted(NUMBER)
