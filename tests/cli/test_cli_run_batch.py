@@ -260,3 +260,25 @@ def test_at_most_window_requests_in_flight_and_results_in_order() -> None:
     assert sorted(emitted) == list(range(10))
     assert [emitted[i].record["response"]["request_id"] for i in range(10)] == [f"x-{n}" for n in range(10)]
     assert all(r.ok for r in emitted.values()) and sum(r.output_tokens for r in emitted.values()) == 45
+
+
+def test_run_batch_answers_a_responses_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A /v1/responses line, structured through `text.format`, is answered by the Responses route; its
+    `usage.output_tokens` counts in the summary."""
+    body = {"input": "Give me a number.", "max_output_tokens": 16}
+    body["text"] = {"format": {"type": "json_schema", "name": "out", "schema": SCHEMA, "strict": True}}
+    requests = write_jsonl(tmp_path / "requests.jsonl", [line("resp", "/v1/responses", body)])
+    results = tmp_path / "results.jsonl"
+    assert main(["run-batch", "-i", str(requests), "-o", str(results), *ENGINE]) == 0
+    (output,) = [json.loads(x) for x in results.read_text().splitlines()]
+    response = output["response"]
+    assert output["error"] is None and response["status_code"] == 200
+    answer = response["body"]
+    assert answer["object"] == "response" and answer["status"] == "completed"
+    assert response["request_id"] == answer["id"] and answer["id"].startswith("resp_")
+    (message,) = [item for item in answer["output"] if item["type"] == "message"]
+    jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMA)
+    assert answer["usage"]["output_tokens"] > 0
+    err = capsys.readouterr().err
+    assert err.startswith("structgen run-batch: 1 lines, 1 succeeded, 0 failed in ")
+    assert float(re.search(r"([0-9.]+) output tok/s", err).group(1)) > 0
