@@ -156,7 +156,7 @@ class LLGuidanceBackend(StructuredBackend):
         """The llguidance grammar (serialized) for a spec."""
         matcher = self._ll.LLMatcher
         if spec.kind in ("json_schema", "json_object"):
-            return matcher.grammar_from_json_schema(spec.schema(), overrides=_json_options(spec))
+            return matcher.grammar_from_json_schema(spec.schema(), overrides=json_options(spec))
         if spec.kind == "regex":
             return matcher.grammar_from_regex(spec.text)
         if spec.kind == "choice":
@@ -198,7 +198,9 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _json_options(spec: StructuredSpec) -> dict[str, Any]:
+def json_options(spec: StructuredSpec) -> dict[str, Any]:
+    """llguidance's JSON options for `spec` (separators, whitespace): also what the tool grammar's JSON answer
+    branch is written under."""
     options: dict[str, Any] = {
         "item_separator": ",",
         "key_separator": ":",

@@ -82,8 +82,45 @@ def arguments_schema(tool: ToolDefinition) -> ArgumentsSchema:
     return ArgumentsSchema(schema, serving_path(tuple(changes)) == "relaxed")
 
 
-def tool_call_grammar(tools: Sequence[ToolDefinition], choice: ToolChoice, fmt: ToolCallFormat) -> str:
-    """The Lark source constraining the output for `choice` (`auto`, `required` or `named`)."""
+@dataclass(frozen=True, slots=True)
+class TextAnswer:
+    """The JSON a text answer must be (`tool_choice="auto"` with a JSON response format): its schema and the
+    llguidance JSON options (separators, whitespace) the response format asks for."""
+
+    schema: dict[str, Any]
+    options: dict[str, Any]
+
+
+def answer_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The text answer's schema as the tool grammar embeds it: normalized, and enforced exactly (a schema that
+    would need relaxing is refused: nothing would validate the answer afterwards)."""
+    from structgen.structured.normalize import normalize_schema
+    from structgen.structured.support import LLGUIDANCE_SUPPORT
+
+    normalized = normalize_schema(schema)
+    if normalized.schema is False:
+        raise ToolError("no answer satisfies the response format's schema", param="response_format")
+    served: Any = {} if normalized.schema is True else normalized.schema
+    found = LLGUIDANCE_SUPPORT.find_unsupported(served)
+    if found:
+        first = found[0]
+        raise ToolError(
+            "the response format's schema cannot be enforced exactly next to tool calls "
+            f"({first.keyword} at {first.path}: {first.reason})",
+            param="response_format",
+        )
+    return served
+
+
+def tool_call_grammar(
+    tools: Sequence[ToolDefinition],
+    choice: ToolChoice,
+    fmt: ToolCallFormat,
+    *,
+    answer: TextAnswer | None = None,
+) -> str:
+    """The Lark source constraining the output for `choice` (`auto`, `required` or `named`). `answer` (`auto`
+    only): the JSON Schema a text answer follows; the output is then that JSON or a block of calls."""
     if choice.mode == "none":
         raise ValueError("tool_choice 'none' has no tool-call grammar")
     allowed = [t for t in tools if choice.permits(t.name)]
@@ -101,7 +138,18 @@ def tool_call_grammar(tools: Sequence[ToolDefinition], choice: ToolChoice, fmt: 
     rules.append("first: " + " | ".join(f"first_{i}" for i in range(len(allowed))))
     more = f" ({_lit(fmt.separator)} call)*" if choice.parallel else ""
     rules.append(f"after_trigger: {_seq('first' + more, _lit(fmt.end))}")
-    if choice.mode == "auto":
+    if choice.mode == "auto" and answer is not None:
+        if fmt.trigger[:1] in ("{", "["):
+            raise ToolError(
+                f"this model writes tool calls as bare JSON ({fmt.name} format), so a JSON response format "
+                "could not be told apart from a call: use tool_choice 'required' or 'none' with it",
+                param="tool_choice",
+            )
+        # A JSON answer cannot start with the trigger (`<tool_call>`, `[TOOL_CALLS]`...): no text before calls.
+        rules.append(f"start: answer | {_lit(fmt.trigger)} after_trigger")
+        answer_rule = {**answer_json_schema(answer.schema), "x-guidance": answer.options}
+        rules.append(f"answer: %json {json.dumps(answer_rule, ensure_ascii=False)}")
+    elif choice.mode == "auto":
         rules.append("start: TEXT | prefix after_trigger")
         rules.append(f"prefix[lazy]: TEXT {_lit(fmt.trigger)}")
         rules.append(r"TEXT: /(.|\n)*/")

@@ -3,6 +3,7 @@ model's chat template — the prompt messages, the structured-output constraint,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from structgen.tools.definitions import (
     parse_tools,
 )
 from structgen.tools.formats import ToolCallFormat, detect_format, get_format, template_supports_tools
-from structgen.tools.grammar import arguments_schema, tool_call_grammar
+from structgen.tools.grammar import TextAnswer, arguments_schema, tool_call_grammar
 from structgen.tools.parser import ParsedOutput, parse_tool_calls
 from structgen.tools.render import render_conversation
 from structgen.tools.streaming import StreamingToolParser
@@ -68,33 +69,37 @@ class ToolCallPlan:
             template_supports_tools=self.template_supports_tools,
         )
 
-    def structured_outputs(self, **options: Any) -> StructuredOutputsParams | None:
-        """The grammar the output is generated under; None with `tool_choice="none"`. `options` are the other
+    def structured_outputs(
+        self, *, answer: TextAnswer | None = None, **options: Any
+    ) -> StructuredOutputsParams | None:
+        """The grammar the output is generated under; None with `tool_choice="none"`. `answer`: the JSON Schema
+        a text answer follows instead of being free (`auto` only). `options` are the other
         `StructuredOutputsParams` fields (`close_at_budget`, `loop_guard`, `whitespace`, `strict`...)."""
         if not self.active:
             return None
         from structgen.structured import StructuredOutputsParams
 
-        grammar = tool_call_grammar(self.tools, self.choice, self.format)
+        grammar = tool_call_grammar(self.tools, self.choice, self.format, answer=answer)
         return StructuredOutputsParams(grammar=grammar, **options)
 
     def sampling_params(
         self, params: SamplingParams | None, *, options: Mapping[str, Any] | None = None
     ) -> SamplingParams:
-        """`params` constrained by this plan's grammar (a request cannot also carry its own constraint), with
-        `options` (see `structured_outputs`) applied to it."""
+        """`params` constrained by this plan's grammar, with `options` (see `structured_outputs`) applied to it.
+
+        A constraint the request carries itself (`response_format`, OpenAI's `text.format`) shapes the text
+        answer, as OpenAI has it, not the calls: with `required` or a named function there is no text to
+        shape, so it is moot; with `auto` a JSON one becomes the grammar's answer branch (JSON, or calls);
+        another kind (regex, choice, a grammar) cannot be joined to the calls and is refused."""
         from structgen.sampling_params import SamplingParams
 
         params = params if params is not None else SamplingParams()
-        structured = self.structured_outputs(**(options or {}))
+        answer = None
+        if self.active and params.structured_outputs is not None and self.choice.mode == "auto":
+            answer = answer_schema(params.structured_outputs)
+        structured = self.structured_outputs(answer=answer, **(options or {}))
         if structured is None:
             return params
-        if params.structured_outputs is not None:
-            raise ToolError(
-                "tool calls cannot be combined with another structured-output constraint "
-                "(response_format / structured_outputs); use tool_choice='none' or drop the constraint",
-                param="tool_choice",
-            )
         return replace(params, structured_outputs=structured)
 
     def parse(self, text: str) -> ParsedOutput:
@@ -104,3 +109,19 @@ class ToolCallPlan:
 
     def stream_parser(self) -> StreamingToolParser:
         return StreamingToolParser(self.format, self.tools)
+
+
+def answer_schema(text_format: StructuredOutputsParams) -> TextAnswer:
+    """The JSON a text answer must be, from the request's own constraint (JSON kinds only)."""
+    from structgen.structured.llguidance_backend import json_options
+
+    spec = text_format.to_spec()
+    if spec.kind in ("json_object", "json_schema"):
+        schema = {"type": "object"} if spec.kind == "json_object" else json.loads(spec.text)
+        return TextAnswer(schema, json_options(spec))
+    raise ToolError(
+        f"tools with tool_choice 'auto' combine only with a JSON response format (json_schema, json_object), "
+        f"not {spec.kind}: the answer is either that JSON or tool calls; use tool_choice 'required' or "
+        "'none', or drop the constraint",
+        param="tool_choice",
+    )

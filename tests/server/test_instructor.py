@@ -1,6 +1,7 @@
 """instructor, as its users call it, against a live SmolLM2 server: `JSON_SCHEMA` (response_format), `TOOLS`
 (a forced function call) and `RESPONSES_TOOLS` (a function tool on `/v1/responses`) each return a validated
-pydantic object on the first try (instructor's re-asking is off, so a bad answer fails the test)."""
+pydantic object on the first try (instructor's re-asking is off, so a bad answer fails the test), and partial
+objects stream."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def sdk(smollm2_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
     wait_idle(smollm2_engine)
 
 
-@pytest.mark.parametrize("mode", [instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS])
+@pytest.mark.parametrize(
+    "mode", [instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS, instructor.Mode.RESPONSES_TOOLS]
+)
 def test_chat_modes_return_the_model(sdk: openai.OpenAI, mode: instructor.Mode) -> None:
     client = instructor.from_openai(sdk, mode=mode)
     person, completion = client.chat.completions.create_with_completion(
@@ -47,6 +50,12 @@ def test_chat_modes_return_the_model(sdk: openai.OpenAI, mode: instructor.Mode) 
     )
     assert isinstance(person, Person)
     assert person.job in ("teacher", "doctor", "engineer", "other")
+    if mode is instructor.Mode.RESPONSES_TOOLS:  # a Responses API answer with one function_call item
+        assert completion.object == "response" and completion.status == "completed"
+        (call,) = [item for item in completion.output if item.type == "function_call"]
+        assert call.name == "Person"
+        assert Person.model_validate_json(call.arguments).model_dump() == person.model_dump()
+        return
     choice = completion.choices[0]
     if mode is instructor.Mode.TOOLS:  # the answer came as a call of the model's function
         assert choice.finish_reason == "tool_calls"

@@ -115,6 +115,38 @@ def test_text_format_variants(app: Any) -> None:
     assert plain["structured"] is None and plain["text"] == {"format": {"type": "text"}}
 
 
+def test_text_format_with_tools_shapes_the_answer_and_leaves_calls_free(app: Any) -> None:
+    """As OpenAI has it (and instructor's RESPONSES_TOOLS mode sends): text.format is for a text answer; with
+    a forced call there is none, with `auto` the answer is that JSON or calls."""
+    schema_format = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
+    named = {"type": "function", "name": "get_weather"}
+    called = create(
+        app,
+        input="Weather?",
+        tools=TOOLS,
+        tool_choice=named,
+        text={"format": schema_format},
+        max_output_tokens=40,
+    )
+    (item,) = called["output"]
+    assert item["type"] == "function_call" and json.loads(item["arguments"])["city"] in ("Oslo", "Rome")
+    for seed in range(4):
+        either = create(
+            app,
+            input="Weather?",
+            tools=TOOLS,
+            text={"format": schema_format},
+            max_output_tokens=40,
+            seed=seed,
+        )
+        assert either["status"] == "completed", either
+        for out in either["output"]:
+            if out["type"] == "message":
+                assert json.loads(out["content"][0]["text"])["city"] in ("Oslo", "Rome")
+            else:
+                assert out["type"] == "function_call" and out["name"] == "get_weather"
+
+
 def test_function_tools_give_function_call_items(app: Any) -> None:
     data = create(
         app,
@@ -198,10 +230,10 @@ UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItem
             ["'nope'"],
         ),
         (
-            {"input": "x", "tools": TOOLS, "text": {"format": {"type": "json_object"}}},
+            {"input": "x", "tools": TOOLS, "guided_regex": "[a-z]+"},
             400,
             "tool_choice",
-            ["text.format"],
+            ["combine only with a JSON response format"],
         ),
         (
             {"input": "x", "text": {"format": {"type": "json_object"}}, "guided_regex": "a+"},

@@ -266,9 +266,22 @@ def test_none_answers_in_text(answers: dict[str, Any]) -> None:
             "'tag' is strict",
         ),
         (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            {
+                "tools": TOOLS,
+                "tool_choice": "auto",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "r", "schema": {"type": "string", "pattern": "^a$"}},
+                },
+                "guided_regex": "a",
+            },
+            "response_format",
+            "set at most one of",
+        ),
+        (
+            {"tools": TOOLS, "guided_regex": "[a-z]+"},
             "tool_choice",
-            "cannot be combined",
+            "combine only with a JSON response format",
         ),
     ],
 )

@@ -143,13 +143,53 @@ def test_unsatisfiable_parameters_name_the_tool() -> None:
         ToolCallPlan.build([tool], "required")
 
 
-def test_tools_cannot_be_combined_with_another_constraint() -> None:
+def test_a_response_format_shapes_the_text_answer_not_the_calls(accepts: Accepts) -> None:
     from structgen import SamplingParams
     from structgen.structured import StructuredOutputsParams
 
-    plan = ToolCallPlan.build(WEATHER_TOOLS, "required")
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
-    with pytest.raises(ToolError, match="cannot be combined"):
-        plan.sampling_params(params)
-    assert plan.sampling_params(None).structured_outputs is not None
+    answer = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+        "required": ["city", "temp"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=answer))
+    # required / named: the output is calls only, so the text format is moot.
+    required = ToolCallPlan.build(WEATHER_TOOLS, "required")
+    assert required.sampling_params(params).structured_outputs == required.structured_outputs()
+    # auto: the answer is that JSON, or calls; free text is no longer allowed.
+    auto = ToolCallPlan.build(WEATHER_TOOLS, "auto")
+    grammar = auto.sampling_params(params).structured_outputs.grammar
+    joined = ToolCallPlan(auto.tools, auto.choice, auto.format, auto.template_supports_tools)
+    check = lambda text: accepts(_with_grammar(joined, grammar), text)  # noqa: E731
+    assert check('{"city":"Vienna","temp":21}')
+    assert check(auto.format.render_block([VIENNA]))
+    assert not check("It is sunny in Vienna.")
+    assert not check('{"city":"Vienna"}')  # the answer's schema holds
+    # none: the format applies to the text alone.
     assert ToolCallPlan.build(WEATHER_TOOLS, "none").sampling_params(params) is params
+
+
+def test_auto_with_a_non_json_format_or_bare_json_calls_is_refused() -> None:
+    from structgen import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+    regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    with pytest.raises(ToolError, match="combine only with a JSON response format"):
+        ToolCallPlan.build(WEATHER_TOOLS, "auto").sampling_params(regex)
+    assert ToolCallPlan.build(WEATHER_TOOLS, "required").sampling_params(regex).structured_outputs.grammar
+    json_object = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(ToolError, match="could not be told apart from a call"):
+        ToolCallPlan.build(WEATHER_TOOLS, "auto", format="llama3_json").sampling_params(json_object)
+
+
+def _with_grammar(plan: ToolCallPlan, grammar: str) -> ToolCallPlan:
+    """`plan` whose `structured_outputs()` is `grammar` (what the `accepts` fixture compiles)."""
+
+    class Fixed(ToolCallPlan):
+        def structured_outputs(self, **_: object):  # type: ignore[override]
+            from structgen.structured import StructuredOutputsParams
+
+            return StructuredOutputsParams(grammar=grammar)
+
+    return Fixed(plan.tools, plan.choice, plan.format, plan.template_supports_tools)
