@@ -21,6 +21,7 @@ almost nothing.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +54,11 @@ _LOOKAHEAD = 12
 # Long enough to find the end of an output whose minimum is long (40 required items: ~1,300 bytes): a walk
 # that gives up tells nothing, so the closer would look again and again, each time paying the whole walk.
 MAX_WALK_BYTES = 2048
+# Where the text forced after a sampled token is looked for in the last completion: from a quote or punctuation
+# on (the keys and separators both share), and how many of the completion's first tokens a value written in
+# their place may have replaced (`BudgetCloser._realigned`).
+_ANCHOR_STARTS = frozenset(b'",:{}[]')
+_SKIPS = 3
 # A walk's token count is an estimate of the shortest completion's, above it by less than this share: an output
 # whose estimate is out of reach by more than that is out of reach for good (see `BudgetCloser.step`).
 _ESTIMATE_MARGIN = 1 / 3
@@ -363,9 +369,11 @@ class BudgetCloser:
             # More characters in a string whose completion began by closing it: the same completion, no walk.
             plan: Plan | None = previous
         else:
-            plan = shortest_completion(
-                grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
-            )
+            plan = self._realigned(grammar, previous, appended, left) if previous else None
+            if plan is None:
+                plan = shortest_completion(
+                    grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
+                )
         fit_before, self._fit = self._fit, False
         self.fell_short = fit_before is not False
         if plan is None:
@@ -403,6 +411,51 @@ class BudgetCloser:
             grammar, self.tokens, scanner, max_bytes=_max_bytes(left), hints=self.hints
         )
         return plan if plan is not None and len(plan) <= left else None
+
+    def _realigned(self, grammar: Grammar, previous: Plan, appended: Sequence[int], left: int) -> Plan | None:
+        """A completion from the grammar's state made of the rest of `previous` (the completion from before
+        `appended`), if the grammar takes it and then the end within `left` tokens; None if none is found.
+
+        A model that picks another value than the completion's (`"done"` for its `"todo"`, a 4 for its 1) is
+        then forced through the same keys and punctuation (`","priority":`): the completion past them still
+        ends the output. One check of such a rest (≈ 50 µs for 250 tokens) replaces a walk of the whole of it
+        (≈ 3 ms), which an output running along its budget would otherwise pay at every sampled token. The rest
+        tried: the completion's text past what was appended, when it starts with it; the completion past the
+        first place the forced text (from a quote or punctuation on) ends on one of its token boundaries; the
+        completion past its first few tokens (a value written in their place). A rest may be longer than the
+        shortest, never invalid (the grammar checks it); if none fits, the walk decides."""
+        tokens, vocab = self.tokens, self.tokens.info.vocab
+        text, written = tokens.text(list(previous)), tokens.text(list(appended))
+        ends, offset = {}, 0
+        for k, token in enumerate(previous):
+            offset += len(vocab[token])
+            ends[offset] = k + 1
+        candidates: list[Plan] = []
+        if text.startswith(written) and len(written) < len(text):
+            k = ends.get(len(written))
+            if k is not None:
+                candidates.append(previous[k:])
+            else:  # written ends inside one of its tokens: the rest as the tokenizer writes it
+                with contextlib.suppress(UnicodeDecodeError):  # (then the other candidates, or the walk)
+                    candidates.append(tuple(tokens.info.encode(text[len(written) :].decode("utf-8"))))
+        forced = tokens.text(list(appended[1:]))
+        for start in range(len(forced)):
+            if forced[start] not in _ANCHOR_STARTS or len(forced) - start < 2:
+                continue
+            anchor, k = forced[start:], None
+            at = text.find(anchor)
+            while at >= 0 and k is None:
+                k = ends.get(at + len(anchor))
+                at = text.find(anchor, at + 1)
+            if k is not None:
+                candidates.append(previous[k:])
+            break  # the longest anchor only: a shorter one places less surely
+        candidates.extend(previous[k:] for k in range(1, min(_SKIPS, len(previous)) + 1))
+        eos = tokens.eos
+        for rest in candidates:
+            if len(rest) <= left and grammar.validate_tokens((*rest, eos)) == len(rest) + 1:
+                return rest
+        return None
 
     def _still_completes(self, grammar: Grammar, plan: Plan) -> bool:
         """`plan` starts by closing a string and still ends the output from the grammar's state (one check:

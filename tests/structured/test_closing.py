@@ -216,6 +216,48 @@ def test_closer_looks_rarely_once_the_output_is_out_of_reach(
     assert len(walks) <= 3
 
 
+def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model writing another enum value or number than the completion's, then forced through the same keys,
+    keeps the rest of the completion: checked by the grammar, no new walk, and it still ends the output."""
+    from structgen.structured import closing
+
+    tasks = {
+        "type": "array",
+        "minItems": 6,
+        "items": {
+            "type": "object",
+            "properties": {
+                "status": {"enum": ["todo", "blocked", "done"]},
+                "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+            },
+            "required": ["status", "priority"],
+            "additionalProperties": False,
+        },
+    }
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = _compile(backends["llguidance"], tasks)
+    left = 90
+    assert run.step(encode('[{"status":"'), left)
+    plan = run.closer.plan
+    assert plan is not None and byte_tokens.text(list(plan)).startswith(b'blocked","priority":1}')
+    walks = []
+    original = closing.shortest_completion
+    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    for piece in ('done","priority":', "4", '},{"status":"', 'todo","priority":'):
+        ids = encode(piece)
+        left -= len(ids)
+        assert run.step(ids, left)
+        rest = run.closer.plan
+        assert rest is not None and len(rest) <= left
+        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
+    assert walks == []
+
+
 def test_closer_follows_the_model_writing_the_completion(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
