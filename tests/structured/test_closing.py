@@ -216,6 +216,40 @@ def test_closer_looks_rarely_once_the_output_is_out_of_reach(
     assert len(walks) <= 3
 
 
+def test_an_output_out_of_reach_from_the_start_is_never_walked(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A string of at least 2,000 characters under a 32-token budget: its shortest output (known from the
+    grammar's start) cannot fit, so no token of it costs a walk, and no fallback is asked for."""
+    from structgen.structured import closing
+
+    run = Stepper(backends["llguidance"], byte_tokens)
+    long_string = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 2000}},
+        "required": ["s"],
+    }
+    run.grammar = _compile(backends["llguidance"], long_string)
+    need = closing.initial_need(
+        byte_tokens, ("test-long-string",), lambda: _compile(backends["llguidance"], long_string)
+    )
+    assert need is not None and need > 100
+    run.closer.expect(need)
+    walks = []
+    original = closing.shortest_completion
+    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    left = 32
+    for piece in ('{"s":"', "abc", "def", "ghi", "jkl"):
+        ids = encode(piece)
+        left -= len(ids)
+        run.step(ids, left)
+        assert not run.closer.fell_short
+    assert walks == []
+
+
 def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
     backends: dict[str, StructuredBackend],
     encode: Callable[[str], list[int]],
