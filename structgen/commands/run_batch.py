@@ -30,6 +30,7 @@ from structgen.commands.batch_file import (
     response_result,
 )
 from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
+from structgen.commands.progress import progress_bar
 
 EXAMPLES = f"""\
 examples:
@@ -209,39 +210,14 @@ def _read_lines(path: str) -> list[str]:
 @contextmanager
 def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[BatchResult], None]]:
     """done/total, failed, output tok/s, elapsed and ETA on stderr."""
-    if not enabled:
-        yield lambda result: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    start = time.monotonic()
     failed = tokens = 0
-    with Progress(
-        TextColumn("run-batch"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    ) as progress:
-        task = progress.add_task("run-batch", total=total, status="")
+    with progress_bar("run-batch", total, enabled=enabled) as bar:
 
         def advance(result: BatchResult) -> None:
             nonlocal failed, tokens
             failed += not result.ok
             tokens += result.output_tokens
-            elapsed = max(time.monotonic() - start, 1e-9)
-            progress.update(task, advance=1, status=f"{failed} failed {tokens / elapsed:.0f} tok/s")
+            bar(lambda elapsed: f"{failed} failed {tokens / elapsed:.0f} tok/s")
 
         yield advance
 

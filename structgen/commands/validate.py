@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from structgen.commands.progress import progress_bar
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
 
 if TYPE_CHECKING:
@@ -253,41 +254,14 @@ def _open_report(args: argparse.Namespace) -> IO[str] | None:
 @contextmanager
 def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None]]:
     """done/total, schemas/s, output tok/s and ETA on stderr."""
-    if not enabled:
-        yield lambda tokens: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    start = time.monotonic()
-    tokens = 0
-    with Progress(
-        TextColumn("validate"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    ) as progress:
-        task = progress.add_task("validate", total=total, rate="")
+    done = tokens = 0
+    with progress_bar("validate", total, enabled=enabled) as bar:
 
         def advance(new_tokens: int) -> None:
-            nonlocal tokens
+            nonlocal done, tokens
+            done += 1
             tokens += new_tokens
-            elapsed = max(time.monotonic() - start, 1e-9)
-            done = progress.tasks[0].completed + 1
-            progress.update(
-                task, advance=1, rate=f"{done / elapsed:.2f} schemas/s {tokens / elapsed:.0f} tok/s"
-            )
+            bar(lambda elapsed: f"{done / elapsed:.2f} schemas/s {tokens / elapsed:.0f} tok/s")
 
         yield advance
 

@@ -22,16 +22,7 @@ CASES = {
 
 
 def run(scenario: Scenario) -> torch.Tensor:
-    new_k = torch.cat([k[c:] for k, c in zip(scenario.keys, scenario.cached, strict=True)])
-    new_v = torch.cat([v[c:] for v, c in zip(scenario.values, scenario.cached, strict=True)])
-    return cpu_backend.CpuAttentionBackend().forward(
-        torch.cat(scenario.queries),
-        new_k,
-        new_v,
-        (scenario.key_cache, scenario.value_cache),
-        scenario.metadata(),
-        scale=scenario.head_dim**-0.5,
-    )
+    return scenario.run(cpu_backend.CpuAttentionBackend())
 
 
 @pytest.mark.parametrize("case", list(CASES))

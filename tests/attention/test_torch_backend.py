@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from structgen.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend, torch_backend
+from structgen.attention.backend import AttentionBackend
 from structgen.attention.torch_backend import (
     GROUP_WASTE_SHARE,
     GROUP_WASTE_SLOTS,
@@ -94,10 +95,11 @@ class Scenario:
             context_lens_cpu=contexts,
         )
 
-    def run(self) -> torch.Tensor:
+    def run(self, backend: AttentionBackend | None = None) -> torch.Tensor:
+        """The step through `backend` (the torch backend by default)."""
         new_k = torch.cat([k[c:] for k, c in zip(self.keys, self.cached, strict=True)])
         new_v = torch.cat([v[c:] for v, c in zip(self.values, self.cached, strict=True)])
-        return TorchAttentionBackend().forward(
+        return (backend or TorchAttentionBackend()).forward(
             torch.cat(self.queries),
             new_k,
             new_v,

@@ -17,6 +17,19 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TINY_KV_CACHE_TOKENS = 2048
 USER = [{"role": "user", "content": "Give me a number."}]
+# The arguments of the weather tools the tool-calling tests (chat and Responses) offer SmolLM2.
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
 def tiny_engine(*, max_num_seqs: int = 256, structured: StructuredOutputConfig | None = None) -> AsyncEngine:

@@ -28,6 +28,17 @@ class Person(BaseModel):
     job: Literal["teacher", "doctor", "engineer", "other"]
 
 
+# Greedy, and instructor's re-asking off: the first answer must be the right object.
+REQUEST = {
+    "model": MODEL,
+    "response_model": Person,
+    "messages": [{"role": "user", "content": ASK}],
+    "temperature": 0,
+    "max_tokens": 80,
+    "max_retries": 0,
+}
+
+
 @pytest.fixture(scope="module")
 def sdk(smollm2_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
     with serve(build_app(smollm2_engine, smollm2_engine.engine.tokenizer, model_name=MODEL)) as url:
@@ -40,14 +51,7 @@ def sdk(smollm2_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
 )
 def test_chat_modes_return_the_model(sdk: openai.OpenAI, mode: instructor.Mode) -> None:
     client = instructor.from_openai(sdk, mode=mode)
-    person, completion = client.chat.completions.create_with_completion(
-        model=MODEL,
-        response_model=Person,
-        messages=[{"role": "user", "content": ASK}],
-        temperature=0,
-        max_tokens=80,
-        max_retries=0,
-    )
+    person, completion = client.chat.completions.create_with_completion(**REQUEST)
     assert isinstance(person, Person)
     assert person.job in ("teacher", "doctor", "engineer", "other")
     if mode is instructor.Mode.RESPONSES_TOOLS:  # a Responses API answer with one function_call item
@@ -66,16 +70,7 @@ def test_chat_modes_return_the_model(sdk: openai.OpenAI, mode: instructor.Mode) 
 
 def test_partial_objects_stream_to_the_whole(sdk: openai.OpenAI) -> None:
     client = instructor.from_openai(sdk, mode=instructor.Mode.JSON_SCHEMA)
-    partials = list(
-        client.chat.completions.create_partial(
-            model=MODEL,
-            response_model=Person,
-            messages=[{"role": "user", "content": ASK}],
-            temperature=0,
-            max_tokens=80,
-            max_retries=0,
-        )
-    )
+    partials = list(client.chat.completions.create_partial(**REQUEST))
     assert len(partials) > 1
     final = Person.model_validate(partials[-1].model_dump())
     assert final.age == partials[-1].age and partials[0].age is None

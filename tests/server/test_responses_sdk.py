@@ -16,24 +16,13 @@ import openai
 import pytest
 from live_server import serve, wait_idle
 from pydantic import BaseModel
+from server_helpers import CITY, FORECAST
 
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import build_app
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
-CITY = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-FORECAST = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: list[Any] = [
     {"type": "function", "name": "get_weather", "description": "Current weather", "parameters": CITY},
     {"type": "function", "name": "get_forecast", "description": "Forecast", "parameters": FORECAST},

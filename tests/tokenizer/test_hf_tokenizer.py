@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizer_fixtures import build_sentencepiece_style_tokenizer
 
@@ -55,6 +55,9 @@ def test_encode_decode_match_transformers_sentencepiece(
 @settings(max_examples=150, deadline=None)
 @given(text=st.text())
 def test_round_trip_any_text(tiny_tokenizer, sp_tokenizer, text: str) -> None:
+    # Text spelling a special token (`<|endoftext|>`, which hypothesis found) encodes to that token, which
+    # decoding skips by default: the round trip is for other text.
+    assume("<|" not in text and "<s>" not in text and "</s>" not in text)
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
     # Sentencepiece normalization maps " " to "▁" and back, and drops only the space it prepended itself.
     assert sp_tokenizer.decode(sp_tokenizer.encode(text)) == text
