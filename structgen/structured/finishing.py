@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from structgen.structured.backend import Grammar
-from structgen.structured.closing import BudgetCloser, ByteTokens, initial_need
+from structgen.structured.budget_closer import BudgetCloser
+from structgen.structured.closing import ByteTokens, initial_need
 from structgen.structured.errors import GrammarRejectedTokenError
 from structgen.structured.json_scan import STRING, JsonScanner
 from structgen.structured.loop_guard import LoopGuard

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 
 from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
-from structgen.structured.closing import BudgetCloser, ByteTokens, can_end, shortest_completion
+from structgen.structured.budget_closer import BudgetCloser
+from structgen.structured.closing import ByteTokens, can_end, shortest_completion
 from structgen.structured.finishing import pattern_hints
 from structgen.structured.json_scan import JsonScanner
 
