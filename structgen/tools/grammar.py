@@ -47,36 +47,21 @@ class ArgumentsSchema:
 
 def arguments_schema(tool: ToolDefinition) -> ArgumentsSchema:
     """The normalized (and where needed relaxed) schema the arguments of `tool` are generated under."""
-    from structgen.structured.normalize import normalize_schema, serving_path
-    from structgen.structured.relax import relax
-    from structgen.structured.support import LLGUIDANCE_SUPPORT
+    from structgen.structured.normalize import serving_path
 
-    normalized = normalize_schema(tool.parameters)
-    if normalized.schema is False:
-        raise ToolError(f"function {tool.name!r}: no arguments satisfy its parameters schema")
-    schema: Any = {} if normalized.schema is True else normalized.schema
-    changes = list(normalized.changes)
-    for _ in range(_MAX_RELAX_STEPS):
-        found = LLGUIDANCE_SUPPORT.find_unsupported(schema)
-        if not found:
-            break
-        if tool.strict:
-            # OpenAI's strict mode promises arguments that match the schema exactly; a relaxed schema only
-            # validates afterwards, so a strict tool the grammar cannot enforce is refused instead.
-            first = found[0]
-            raise ToolError(
-                f"function {tool.name!r} is strict, and its parameters schema cannot be enforced exactly "
-                f"({first.keyword} at {first.path}: {first.reason}); set strict to false to have it generated "
-                "under a wider schema and validated afterwards"
-            )
-        widened, relaxed = relax(schema, found)
-        if widened == schema:
-            first = found[0]
-            raise ToolError(
-                f"function {tool.name!r}: the parameters schema cannot be enforced "
-                f"({first.keyword} at {first.path}: {first.reason})"
-            )
-        schema, changes = widened, changes + relaxed
+    # OpenAI's strict mode promises arguments that match the schema exactly; a relaxed schema only validates
+    # afterwards, so a strict tool the grammar cannot enforce is refused instead.
+    strict = (
+        f"function {tool.name!r} is strict, and its parameters schema cannot be enforced exactly ({{where}}); "
+        "set strict to false to have it generated under a wider schema and validated afterwards"
+    )
+    schema, changes = _enforceable(
+        tool.parameters,
+        unsatisfiable=f"function {tool.name!r}: no arguments satisfy its parameters schema",
+        unenforceable=f"function {tool.name!r}: the parameters schema cannot be enforced ({{where}})",
+        exact=strict if tool.strict else None,
+        param="tools",
+    )
     if schema.get("type") != "object":  # arguments are always a JSON object
         schema = {**schema, "type": "object"}
     return ArgumentsSchema(schema, serving_path(tuple(changes)) == "relaxed")
@@ -94,22 +79,42 @@ class TextAnswer:
 def answer_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """The text answer's schema as the tool grammar embeds it: normalized, and enforced exactly (a schema that
     would need relaxing is refused: nothing would validate the answer afterwards)."""
+    served, _ = _enforceable(
+        schema,
+        unsatisfiable="no answer satisfies the response format's schema",
+        unenforceable="",
+        exact="the response format's schema cannot be enforced exactly next to tool calls ({where})",
+        param="response_format",
+    )
+    return served
+
+
+def _enforceable(
+    schema: Any, *, unsatisfiable: str, unenforceable: str, exact: str | None, param: str
+) -> tuple[dict[str, Any], list[Any]]:
+    """`schema` normalized, with what llguidance cannot enforce relaxed (`exact`: refused with that message
+    instead), and the changes made. The messages take `{where}` (keyword, path and why)."""
     from structgen.structured.normalize import normalize_schema
+    from structgen.structured.relax import relax
     from structgen.structured.support import LLGUIDANCE_SUPPORT
 
     normalized = normalize_schema(schema)
     if normalized.schema is False:
-        raise ToolError("no answer satisfies the response format's schema", param="response_format")
+        raise ToolError(unsatisfiable, param=param)
     served: Any = {} if normalized.schema is True else normalized.schema
-    found = LLGUIDANCE_SUPPORT.find_unsupported(served)
-    if found:
-        first = found[0]
-        raise ToolError(
-            "the response format's schema cannot be enforced exactly next to tool calls "
-            f"({first.keyword} at {first.path}: {first.reason})",
-            param="response_format",
-        )
-    return served
+    changes = list(normalized.changes)
+    for _ in range(_MAX_RELAX_STEPS):
+        found = LLGUIDANCE_SUPPORT.find_unsupported(served)
+        if not found:
+            break
+        where = f"{found[0].keyword} at {found[0].path}: {found[0].reason}"
+        if exact is not None:
+            raise ToolError(exact.format(where=where), param=param)
+        widened, relaxed = relax(served, found)
+        if widened == served:
+            raise ToolError(unenforceable.format(where=where), param=param)
+        served, changes = widened, changes + relaxed
+    return served, changes
 
 
 def tool_call_grammar(
