@@ -357,7 +357,9 @@ class LLMEngine:
             metrics = self._requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-                metrics.num_cached_tokens = seq.num_computed_tokens
+                # Prompt tokens only: tokens a grammar forced at the start of the output join the sequence
+                # before its first forward, and hit the cache when an earlier request wrote the same ones.
+                metrics.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # A decode is one token right after the last sampled one; everything else is (re)prefill.
             if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq) - 1):

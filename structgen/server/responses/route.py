@@ -134,7 +134,5 @@ async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesReque
 
 
 def _cached(started: list[Started]) -> int:
-    """Prompt tokens served from the prefix cache. The engine's count can run past the prompt: tokens a grammar
-    forces at the start of the output (a tool call's opening) join the sequence before its first forward, and
-    hit the cache when an earlier request wrote the same ones."""
-    return sum(min(first.num_cached_tokens, len(first.prompt_token_ids)) for _, first in started)
+    """Prompt tokens served from the prefix cache."""
+    return sum(first.num_cached_tokens for _, first in started)
