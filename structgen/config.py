@@ -89,9 +89,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The structured-output layer (backend, compile limit, workers...); None → `StructuredOutputConfig()`.
     structured: StructuredOutputConfig | None = None
+    # A reasoning parser's name (`structgen.tokenizer.reasoning`: "qwen3", "deepseek_r1"): outputs are split into
+    # reasoning and answer, and a structured request's grammar starts after the reasoning. None: no reasoning.
+    reasoning_parser: str | None = None
+    # The reasoning budget of requests that set none (`SamplingParams.thinking_token_budget`); None: unlimited.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.thinking_token_budget is not None and (
+            not isinstance(self.thinking_token_budget, int) or self.thinking_token_budget < 0
+        ):
+            raise ValueError(
+                f"thinking_token_budget must be >= 0 or None, got {self.thinking_token_budget!r}"
+            )
         if self.quantization not in ("auto", "int4", "none"):
             raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")

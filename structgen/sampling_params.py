@@ -47,6 +47,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # JSON Schema / json_object / regex / grammar / choice constraint (structgen.structured).
     structured_outputs: StructuredOutputsParams | None = None
+    # With a reasoning parser on the engine: at most this many tokens of reasoning, then the end marker is forced
+    # and the answer begins (None: the engine's default, `EngineConfig.thinking_token_budget`).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -84,6 +87,8 @@ class SamplingParams:
                     "structured_outputs must be a StructuredOutputsParams or None, "
                     f"got {type(self.structured_outputs).__name__}"
                 )
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, low=0, what=">= 0 or None")
         if self.prompt_logprobs is not None:
             raise ValueError(
                 f"prompt_logprobs is not supported yet; leave it None (got {self.prompt_logprobs!r})"

@@ -103,6 +103,7 @@ class AsyncEngine:
         request_id: str | None = None,
         ready: Callable[[], bool] | None = None,
         stream: bool = True,
+        reasoning: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that produced tokens; the last has `finished=True`.
         `stream=False`: only the first output and the finished one (the first says the request runs; skipping
@@ -123,7 +124,9 @@ class AsyncEngine:
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in use")
-                self.engine.add_request(request_id, prompt, params, stream=True, ready=ready)
+                self.engine.add_request(
+                    request_id, prompt, params, stream=True, ready=ready, reasoning=reasoning
+                )
             except BaseException as error:  # reported to the caller, not to the step loop
                 loop.call_soon_threadsafe(_resolve, added, error)
                 return

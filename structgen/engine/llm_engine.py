@@ -23,11 +23,13 @@ from structgen.engine.metrics import EngineCounters, EngineStats
 from structgen.engine.model_runner import LogitsProcessor, ModelRunner
 from structgen.engine.output_processor import OutputProcessor
 from structgen.engine.outputs import RequestOutput
+from structgen.engine.reasoning import new_state
 from structgen.engine.sampler import Sampler, make_generator
 from structgen.engine.scheduler import Scheduler, SchedulerOutput
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
 from structgen.engine.structured import StructuredOutputs
 from structgen.sampling_params import SamplingParams
+from structgen.tokenizer.reasoning import get_reasoning_parser
 
 if TYPE_CHECKING:
     from torch import nn
@@ -108,6 +110,10 @@ class LLMEngine:
                 f"({sched_config.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        # Refused here, before the cache is allocated, when the tokenizer lacks the parser's markers.
+        self.reasoning_parser = (
+            get_reasoning_parser(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
+        )
         dtype = next(model.parameters()).dtype
 
         block_size = config.cache.block_size
@@ -149,6 +155,8 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        # Sequences that ended while being added (a reasoning budget of 0 forcing the end at `max_tokens`).
+        self._ended_on_add: list[tuple[Sequence, SequenceStatus]] = []
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, tensor parallel %d",
             self.model_dir or type(model).__name__,
@@ -193,9 +201,12 @@ class LLMEngine:
         stream: bool = True,
         ready: Callable[[], bool] | None = None,
         arrival_time: float | None = None,
+        reasoning: bool = True,
     ) -> None:
         """Queue a request. `stream=False`: `step()` reports it only when finished. `ready`: the request waits
-        (`WAITING_FOR_GRAMMAR`) until `ready()` is true, without holding up others.
+        (`WAITING_FOR_GRAMMAR`) until `ready()` is true, without holding up others. `reasoning=False`: no
+        reasoning phase even with a reasoning parser on the engine (a raw completion: any grammar applies from the
+        first token and the whole output is `text`).
 
         Raises ValueError for a duplicate id, an empty or out-of-vocabulary prompt, or a request that can never
         fit (prompt + max_tokens beyond the model context or the whole KV cache).
@@ -224,12 +235,25 @@ class LLMEngine:
             ready=ready,
             num_forks=params.n - 1,
         )
+        if self.reasoning_parser is not None and reasoning:
+            seq.reasoning = new_state(
+                self.reasoning_parser,
+                token_ids,
+                params,
+                default_budget=self.config.thinking_token_budget,
+                eos_token_ids=self.eos_token_ids,
+            )
         if params.structured_outputs is not None:
             # Raises at once for a spec known not to compile; otherwise the compile runs in the background.
             self.structured.attach(seq, params.structured_outputs)
             if self.logits_processor is None:
                 self.logits_processor = self.structured.processor
         self.output_processor.start(seq)
+        if seq.reasoning is not None and seq.structured is None:
+            # (A structured request begins when its grammar is ready, `StructuredOutputs.poll`.)
+            status = self.output_processor.begin(seq, incremental=stream or bool(params.stop))
+            if status is not None:
+                self._ended_on_add.append((seq, status))
         request.seqs.append(seq)
         self._requests[request_id] = request
         self.scheduler.add(seq)
@@ -259,7 +283,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns the outputs of requests that progressed (streaming ones) or finished."""
-        ended = self.structured.poll(self.scheduler, self.output_processor, self._requests)
+        ended, self._ended_on_add = self._ended_on_add, []
+        ended += self.structured.poll(self.scheduler, self.output_processor, self._requests)
         ended += self._fork_ended(ended)
         self._finish_all(ended)
         ended_seqs = [seq for seq, _ in ended]

@@ -199,6 +199,7 @@ class ModelRunner:
             logits = logits.index_select(0, pick)
         if self.num_valid_tokens < logits.shape[1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
+        _ban_reasoning_markers(logits, batch.sample_seqs)
         mask: TokenMask | None = None
         if logits_processor is not None:
             processed = logits_processor(logits, batch.sample_seqs)
@@ -310,3 +311,21 @@ def _spread(out: SamplerOutput, rows: list[int], size: int) -> SamplerOutput:
         if top is not None and out.top_logprobs is not None:
             top[i] = out.top_logprobs[j]
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+
+def _ban_reasoning_markers(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """-inf, in place, for the tokens each row's reasoning phase rules out (`ReasoningState.banned_token_ids`):
+    markers in an answer, the end of a structured request before its answer. Raw logits are finite, so a ban of
+    a few ids never leaves a row without a token. (Logprobs are read after it, as after the grammar's mask.)"""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        if seq.reasoning is not None:
+            for token in seq.reasoning.banned_token_ids:
+                if 0 <= token < vocab:
+                    rows.append(row)
+                    cols.append(token)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))

@@ -15,10 +15,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from structgen.engine import reasoning_output
 from structgen.engine.outputs import CompletionOutput, RequestOutput, StructuredReport, TokenLogprob
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
 from structgen.structured.errors import StructuredOutputError
 from structgen.tokenizer import IncrementalDetokenizer, StopChecker
+from structgen.tokenizer.reasoning import ReasoningPhase
 
 if TYPE_CHECKING:
     from structgen.sampling_params import SamplingParams
@@ -73,16 +75,38 @@ class OutputProcessor:
                 seq.cumulative_logprob += logprob
             incremental = request.stream or bool(_params(seq).stop)
             try:
-                if seq.structured is not None:
-                    status = self._advance_grammar(seq, token_id, incremental=incremental)
+                if seq.reasoning is not None and seq.reasoning.phase is not ReasoningPhase.ANSWER:
+                    status = reasoning_output.advance(self, seq, token_id, incremental=incremental)
                 else:
-                    status = self._append_text(seq, token_id, incremental=incremental)
+                    status = self.advance_answer(seq, token_id, incremental=incremental)
             except Exception as error:
                 # A bug in a grammar library or the detokenizer: fail this request, keep the batch going.
                 status = self.fail(seq, error)
             if status is not None:
                 finished.append((seq, status))
         return finished
+
+    def advance_answer(self, seq: Sequence, token_id: int, *, incremental: bool) -> SequenceStatus | None:
+        """A token of the output proper (of the answer, after any reasoning)."""
+        if seq.structured is not None:
+            return self._advance_grammar(seq, token_id, incremental=incremental)
+        return self._append_text(seq, token_id, incremental=incremental)
+
+    def begin(self, seq: Sequence, *, incremental: bool) -> SequenceStatus | None:
+        """Before the first forward (and again on a retry): what the output starts with. The grammar's forced
+        prefix; or, for an output that starts with reasoning, the end marker already when its budget is 0."""
+        state = seq.reasoning
+        if state is None or state.phase is ReasoningPhase.ANSWER:
+            return self.begin_answer(seq, incremental=incremental)
+        if state.thinking:
+            return reasoning_output.end_if_due(self, seq, incremental)
+        return None  # PENDING: the first token decides, under the grammar or opening the reasoning
+
+    def begin_answer(self, seq: Sequence, *, incremental: bool) -> SequenceStatus | None:
+        """The answer starts: append the tokens its grammar forces first (already accepted by it)."""
+        if seq.structured is None or not self.jump_forward:
+            return None
+        return self.append_forced(seq, seq.structured.jump_forward(), incremental=incremental)
 
     def _advance_grammar(self, seq: Sequence, token_id: int, *, incremental: bool) -> SequenceStatus | None:
         """Feed the sampled token to the sequence's grammar, then append what follows it: the tokens the grammar
@@ -92,7 +116,7 @@ class OutputProcessor:
             # EOS ends the sequence (the mask allowed it only where the grammar can end): not fed to it.
             if token_id in self.eos_token_ids:
                 return self._append_text(seq, token_id, incremental=incremental)
-            step = structured.advance(token_id, left=self._tokens_left(seq), jump_forward=self.jump_forward)
+            step = structured.advance(token_id, left=self.tokens_left(seq), jump_forward=self.jump_forward)
         except StructuredOutputError as error:
             # The mask allowed a token the matcher refuses: a bug in a backend. Fail this request loudly.
             logger.error("%s: %s", seq, error)
@@ -115,7 +139,7 @@ class OutputProcessor:
             status = self._append_text(seq, None, incremental=incremental)
         return status
 
-    def _tokens_left(self, seq: Sequence) -> int:
+    def tokens_left(self, seq: Sequence) -> int:
         """How many more tokens `seq` may take (after the ones it holds): `max_tokens` and the context."""
         left = self.max_model_len - len(seq.token_ids)
         if seq.max_tokens is not None:
@@ -164,10 +188,18 @@ class OutputProcessor:
         return status
 
     def start_fork(self, child: Sequence, *, incremental: bool) -> None:
-        """`start` for a fork that already carries output tokens (a grammar's forced prefix)."""
+        """`start` for a fork that already carries output tokens (a grammar's forced prefix, or a forced end of
+        reasoning and then that)."""
         self.start(child)
-        if incremental and child.output_token_ids:
-            child.output_text = child.detokenizer.push(child.output_token_ids)
+        state = child.reasoning
+        if state is not None and state.answer_start:
+            context = child.token_ids[: child.num_prompt_tokens + state.answer_start]
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, context, skip_special_tokens=_params(child).skip_special_tokens
+            )
+        answer = _answer_ids(child)
+        if incremental and answer:
+            child.output_text = child.detokenizer.push(answer)
 
     def restart(self, seq: Sequence) -> None:
         """Forget a sequence's output (a structured retry); its grammar was reset by the caller."""
@@ -177,6 +209,8 @@ class OutputProcessor:
         seq.num_sent_chars = seq.num_sent_tokens = 0
         seq.cumulative_logprob = 0.0
         seq.stop_reason = None
+        if seq.reasoning is not None:
+            seq.reasoning.reset()
         self.start(seq)
 
     def start(self, seq: Sequence) -> None:
@@ -201,10 +235,11 @@ class OutputProcessor:
         if token_id is None:
             status, hide = SequenceStatus.FINISHED_STOPPED, False
         else:
-            status, hide = self._token_stop(seq, token_id, grammar_may_end=grammar_may_end)
+            status, hide = self.token_stop(seq, token_id, grammar_may_end=grammar_may_end)
         if not incremental:
             if status is not None:
-                ids = seq.output_token_ids[:-1] if hide else seq.output_token_ids
+                ids = _answer_ids(seq)
+                ids = ids[:-1] if hide else ids
                 seq.output_text = seq.detokenizer.push(ids) + seq.detokenizer.flush()
             return status
         delta = "" if hide or token_id is None else seq.detokenizer.push(token_id)
@@ -222,7 +257,7 @@ class OutputProcessor:
         seq.output_text += delta
         return status
 
-    def _token_stop(
+    def token_stop(
         self, seq: Sequence, token_id: int, *, grammar_may_end: bool = True
     ) -> tuple[SequenceStatus | None, bool]:
         """(finish status or None, whether the token is left out of the text) for a just-appended token."""
@@ -269,6 +304,8 @@ class OutputProcessor:
             )
             seq.num_sent_chars = len(text)
             seq.num_sent_tokens = len(seq.output_token_ids)
+            if seq.reasoning is not None:
+                _add_reasoning(outputs[-1], seq)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -278,6 +315,23 @@ class OutputProcessor:
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
         )
+
+
+def _answer_ids(seq: Sequence) -> list[int]:
+    """The output tokens of the answer: all of them, or those after the reasoning's end marker."""
+    state = seq.reasoning
+    if state is None or state.answer_start == 0:
+        return seq.output_token_ids
+    return seq.output_token_ids[state.answer_start :] if state.answer_start is not None else []
+
+
+def _add_reasoning(output: CompletionOutput, seq: Sequence) -> None:
+    state = seq.reasoning
+    output.num_reasoning_tokens = state.num_reasoning_tokens(seq.num_output_tokens)
+    if state.thought:
+        output.reasoning = state.text
+        output.delta_reasoning = state.text[state.num_sent_chars :]
+        state.num_sent_chars = len(state.text)
 
 
 def _drop_last_token(seq: Sequence) -> None:

@@ -63,6 +63,12 @@ class CompletionOutput:
     )
     # For structured requests: how it was served and whether the output validates (`StructuredReport`).
     structured: StructuredReport | None = None
+    # With a reasoning parser: the reasoning the model wrote before its answer (markers left out; None when the
+    # output has no reasoning phase), what is new of it since the last output, and the output tokens spent before
+    # the answer (markers included). `text` / `delta_text` then hold the answer alone.
+    reasoning: str | None = None
+    delta_reasoning: str = ""
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

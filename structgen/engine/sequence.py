@@ -81,6 +81,7 @@ class Sequence:
         "params",
         "prompt_token_ids",
         "ready",
+        "reasoning",
         "request_id",
         "seq_id",
         "status",
@@ -137,6 +138,9 @@ class Sequence:
         self.error_code: str | None = None  # a machine-readable kind of `error`, e.g. "compile_timeout"
         # The request's grammar state (`structgen.structured.StructuredRequest`), None when unconstrained.
         self.structured: Any = None
+        # With a reasoning parser: where the output stands between reasoning and answer
+        # (`structgen.engine.reasoning.ReasoningState`); None without one.
+        self.reasoning: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -187,6 +191,7 @@ class Sequence:
         child.status = self.status
         # Each sample walks its own copy of the grammar from the parent's state.
         child.structured = self.structured.fork() if self.structured is not None else None
+        child.reasoning = self.reasoning.copy() if self.reasoning is not None else None
         return child
 
 

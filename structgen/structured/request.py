@@ -52,6 +52,12 @@ class StructuredRequest:
         which `pick_hints` are kept by."""
         return self.finisher.scanner.innermost if self.finisher is not None else None
 
+    @property
+    def initial_need(self) -> int | None:
+        """Tokens of the grammar's shortest complete output, when the budget closer knows it (after `start`)."""
+        closer = self.finisher.closer if self.finisher is not None else None
+        return closer.need if closer is not None else None
+
     def ready(self) -> bool:
         """The compile finished (successfully or not): the scheduler may call `start`."""
         return self.future.done()
@@ -189,9 +195,14 @@ class StructuredLogitsProcessor:
         grammar_of: Callable[[Any], Grammar | None],
         *,
         defer: bool = False,
+        also_allowed: Callable[[Any], int | None] | None = None,
     ):
         self.manager = manager
         self.grammar_of = grammar_of
+        # A token a row may take besides its grammar's, or None (a reasoning model's opening marker, before its
+        # first token decides between reasoning and answering under the grammar).
+        self.also_allowed = also_allowed
+        self._extra: dict[int, int] = {}  # this step's rows with such a token
         # Hand the mask to the sampler (a `TokenMask`) instead of applying it: the sampler masks only the
         # rows whose pick the mask would change.
         self.defer = defer
@@ -220,6 +231,12 @@ class StructuredLogitsProcessor:
                 position = self._positions[row] = request.position
                 if request.pick_hints.hinted(position):
                     self._hinted.add(id(seqs[row]))
+        self._extra = {}
+        if self.also_allowed is not None:
+            for _, row in items:
+                token = self.also_allowed(seqs[row])
+                if token is not None:
+                    self._extra[row] = token
         ahead, deferred = self._split_deferred(seqs, items)
         future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
         self._pending = (list(seqs), items, deferred, future)
@@ -245,13 +262,19 @@ class StructuredLogitsProcessor:
             rows = [row for row in rows if row not in failed]
         if not rows:
             return None
+        for row, token in self._extra.items():
+            if row not in deferred:
+                _allow(self._bitmask, row, token)
         if self.defer:
             grammars = {row: grammar for grammar, row in items}
             mask = TokenMask(
                 bitmask=self._bitmask,
                 rows=rows,
                 eager=[r for r in rows if id(seqs[r]) in self._hinted],
-                unfilled={row: self._token_check(seqs_[row], grammars[row]) for row in deferred},
+                unfilled={
+                    row: self._token_check(seqs_[row], grammars[row], self._extra.get(row))
+                    for row in deferred
+                },
                 fill=lambda missing: self._fill_now(seqs_, grammars, missing),
             )
             self._last = (list(seqs), mask, self._positions)
@@ -278,10 +301,12 @@ class StructuredLogitsProcessor:
                 ahead.append((grammar, row))
         return ahead, deferred
 
-    def _token_check(self, seq: Any, grammar: Grammar) -> Callable[[int], bool]:
+    def _token_check(self, seq: Any, grammar: Grammar, extra: int | None = None) -> Callable[[int], bool]:
         validate = grammar.validate_tokens
 
         def check(token: int) -> bool:
+            if token == extra:
+                return True
             try:
                 return validate((token,)) == 1
             except Exception as error:  # a grammar bug: its request fails after this step, the batch goes on
@@ -296,6 +321,9 @@ class StructuredLogitsProcessor:
         for row, error in self.manager.fill_bitmask([(grammars[row], row) for row in rows], self._bitmask):
             self._bitmask[row].fill_(-1)
             self._failures.append((seqs[row], error))
+        for row in rows:
+            if row in self._extra:
+                _allow(self._bitmask, row, self._extra[row])
 
     def take_failures(self) -> list[tuple[Any, Exception]]:
         """(sequence, error) for each sequence whose grammar failed to fill its mask since the last call."""
@@ -317,6 +345,13 @@ class StructuredLogitsProcessor:
             if grammar is not None:
                 items.append((grammar, row))
         return items
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set `token`'s bit in `bitmask[row]` (int32 words, bit i of word w is token 32 * w + i)."""
+    word, bit = divmod(token, 32)
+    value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _learn_hints(seqs: list[Any], mask: TokenMask, positions: dict[int, int | None]) -> None:
