@@ -8,6 +8,9 @@ forces at the start (e.g. `{"`), which are then prefilled with the prompt. Befor
 filling, on the mask thread, the bitmask rows the sampler will need whole; the installed
 `StructuredLogitsProcessor` hands the mask to the sampler (a `TokenMask`, applied only to rows whose pick it
 would change; rows left unfilled are checked token by token and filled only if a pick is rejected).
+With a reasoning parser, a sequence still reasoning has no row in the mask (its grammar starts, forced prefix
+and all, after the end marker: `structgen.engine.reasoning`), and one whose first token decides between
+reasoning and answering may also take the start marker.
 """
 
 from __future__ import annotations
