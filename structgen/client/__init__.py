@@ -21,6 +21,7 @@ from structgen.client.errors import (
     TruncatedOutputError,
 )
 from structgen.client.partial import MISSING, parse_partial
+from structgen.client.reasoning import Parsed
 from structgen.client.sync import Client
 from structgen.client.targets import Target, as_target
 from structgen.client.tools import Tool, ToolCall, ToolRun, as_tool
@@ -38,6 +39,7 @@ __all__ = [
     "NotFoundError",
     "OutputError",
     "OutputValidationError",
+    "Parsed",
     "RateLimitError",
     "Target",
     "Tool",

@@ -50,9 +50,9 @@ class AsyncClient(ClientAPI):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    async def _stream(self, flow: Flow[Any]) -> AsyncIterator[Any]:
+    async def _stream(self, flow: Flow[Any], decoder_class: type[StreamDecoder]) -> AsyncIterator[Any]:
         target, body = await self._run(flow)
-        decoder = StreamDecoder(target)
+        decoder = decoder_class(target)
         response = await self._request(Call("POST", "chat/completions", body), stream=True)
         try:
             async for line in response.aiter_lines():

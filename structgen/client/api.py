@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from structgen.client.core import ClientOptions, Core, Flow
+from structgen.client.stream import ReasoningStreamDecoder, StreamDecoder
 
 
 class ClientAPI:
@@ -76,7 +77,44 @@ class ClientAPI:
         flow = self._core.parse_request(
             target, messages, prompt, strict=strict, stream=True, sampling=sampling
         )
-        return self._stream(flow)
+        return self._stream(flow, StreamDecoder)
+
+    def parse_with_reasoning(
+        self,
+        target: Any,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        strict: bool = True,
+        **sampling: Any,
+    ) -> Any:
+        """`parse` for reasoning models: returns a `Parsed` (with `n > 1`, a list of them) holding the value and
+        the reasoning the server reported beside the answer (`message.reasoning` or `reasoning_content`; None
+        when it reported none). The value is validated as `parse` does and its errors are the same; they carry
+        the reasoning too. Reasoning options go in `sampling` like any other field: `thinking_token_budget=N`
+        (structgen, vLLM), `chat_template_kwargs={"enable_thinking": False}`, `include_reasoning=False`."""
+        flow = self._core.parse(
+            target, messages, prompt, strict=strict, sampling=sampling, with_reasoning=True
+        )
+        return self._run(flow)
+
+    def stream_parse_with_reasoning(
+        self,
+        target: Any,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        strict: bool = True,
+        **sampling: Any,
+    ) -> Any:
+        """`stream_parse` for reasoning models (`n` must be 1): yields a `Parsed` snapshot (`done=False`) each
+        time the reasoning or the partial value grew — the reasoning so far, and the partial value so far
+        (`MISSING` while the model still reasons) — and last the `Parsed` of the validated value (`done=True`),
+        equal to what `parse_with_reasoning` returns for the same request."""
+        flow = self._core.parse_request(
+            target, messages, prompt, strict=strict, stream=True, sampling=sampling
+        )
+        return self._stream(flow, ReasoningStreamDecoder)
 
     def call_tools(
         self,
@@ -114,5 +152,5 @@ class ClientAPI:
     def _run(self, flow: Flow[Any]) -> Any:
         raise NotImplementedError
 
-    def _stream(self, flow: Flow[Any]) -> Any:
+    def _stream(self, flow: Flow[Any], decoder_class: type[StreamDecoder]) -> Any:
         raise NotImplementedError

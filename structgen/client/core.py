@@ -17,9 +17,11 @@ from typing import Any, TypeVar
 
 from structgen.client.errors import (
     ClientError,
+    OutputError,
     OutputValidationError,
     TruncatedOutputError,
 )
+from structgen.client.reasoning import Parsed, reasoning_text, reasoning_tokens
 from structgen.client.targets import Target, as_target
 from structgen.client.tools import Tool, ToolCall, ToolRun, as_tool, decode_calls, result_message, tool_choice
 
@@ -134,16 +136,22 @@ class Core:
         *,
         strict: bool,
         sampling: dict[str, Any],
+        with_reasoning: bool = False,
     ) -> Flow[Any]:
+        """The value (or `n` values); `with_reasoning`: each as a `Parsed` that also holds the reasoning."""
         resolved, body = yield from self.parse_request(
             target, messages, prompt, strict=strict, stream=False, sampling=sampling
         )
         data = yield Call("POST", "chat/completions", body)
-        choices = sorted(_choices(data), key=lambda c: c.get("index", 0))
-        values = [
-            decode_output(resolved, (c.get("message") or {}).get("content"), c.get("finish_reason"))
-            for c in choices
-        ]
+        tokens = reasoning_tokens(data)
+        values = []
+        for choice in sorted(_choices(data), key=lambda c: c.get("index", 0)):
+            message = choice.get("message") or {}
+            reasoning = reasoning_text(message)
+            value = decode_output(
+                resolved, message.get("content"), choice.get("finish_reason"), reasoning=reasoning
+            )
+            values.append(Parsed(value, reasoning, tokens) if with_reasoning else value)
         return values if (sampling.get("n") or 1) != 1 else values[0]
 
     def call_tools(
@@ -215,11 +223,25 @@ def _choices(data: Any) -> list[dict[str, Any]]:
     return list(choices)
 
 
-def decode_output(target: Target, text: str | None, finish_reason: str | None) -> Any:
+def decode_output(
+    target: Target, text: str | None, finish_reason: str | None, *, reasoning: str | None = None
+) -> Any:
+    """The validated value of a finished choice; an `OutputError` (carrying text and reasoning) otherwise."""
     if finish_reason == "length":
+        hint = "raise max_tokens"
+        if reasoning and not text:
+            hint += ", or bound the reasoning with thinking_token_budget"  # the reasoning took every token
         raise TruncatedOutputError(
-            "the output stopped at max_tokens before the value was complete (raise max_tokens)", raw_text=text
+            f"the output stopped at max_tokens before the value was complete ({hint})",
+            raw_text=text,
+            reasoning=reasoning,
         )
     if finish_reason not in (None, "stop"):
-        raise OutputValidationError(f"the output ended with finish_reason {finish_reason!r}", raw_text=text)
-    return target.load(text)
+        raise OutputValidationError(
+            f"the output ended with finish_reason {finish_reason!r}", raw_text=text, reasoning=reasoning
+        )
+    try:
+        return target.load(text)
+    except OutputError as error:
+        error.reasoning = reasoning
+        raise

@@ -54,11 +54,13 @@ class InternalServerError(APIStatusError):
 
 
 class OutputError(ClientError):
-    """The server answered, but its output cannot become the requested type; `raw_text` is what it sent."""
+    """The server answered, but its output cannot become the requested type; `raw_text` is what it sent, and
+    `reasoning` the reasoning it reported beside it (reasoning models; None otherwise)."""
 
-    def __init__(self, message: str, *, raw_text: str | None) -> None:
+    def __init__(self, message: str, *, raw_text: str | None, reasoning: str | None = None) -> None:
         super().__init__(message)
         self.raw_text = raw_text
+        self.reasoning = reasoning
 
 
 class TruncatedOutputError(OutputError):
@@ -69,8 +71,15 @@ class OutputValidationError(OutputError):
     """The output is not valid JSON for the requested type (or names an unknown tool); `errors` holds the
     validator's complaints when there are any."""
 
-    def __init__(self, message: str, *, raw_text: str | None, errors: list[Any] | None = None) -> None:
-        super().__init__(message, raw_text=raw_text)
+    def __init__(
+        self,
+        message: str,
+        *,
+        raw_text: str | None,
+        errors: list[Any] | None = None,
+        reasoning: str | None = None,
+    ) -> None:
+        super().__init__(message, raw_text=raw_text, reasoning=reasoning)
         self.errors = errors or []
 
 

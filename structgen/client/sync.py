@@ -49,9 +49,9 @@ class Client(ClientAPI):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    def _stream(self, flow: Flow[Any]) -> Iterator[Any]:
+    def _stream(self, flow: Flow[Any], decoder_class: type[StreamDecoder]) -> Iterator[Any]:
         target, body = self._run(flow)
-        decoder = StreamDecoder(target)
+        decoder = decoder_class(target)
         response = self._request(Call("POST", "chat/completions", body), stream=True)
         try:
             for line in response.iter_lines():

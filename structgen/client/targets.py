@@ -79,6 +79,13 @@ class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
 
+    # One instance only, so that `is MISSING` holds for copies of values that hold it too.
+    def __copy__(self) -> _Missing:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
+        return self
+
 
 _MISSING: Any = _Missing()
 

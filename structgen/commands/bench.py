@@ -33,6 +33,10 @@ BENCHMARKS = {
     ),
     "reliability": ("reliability", "decode step time while pathological schemas arrive"),
     "tp-scaling": ("tp_scaling", "tensor-parallel throughput and communication"),
+    "reasoning": (
+        "reasoning",
+        "a JSON schema after a <think> budget vs from the first token (tiny-thinking; SmolLM2 has no markers)",
+    ),
 }
 
 EPILOG = "benchmarks:\n" + "\n".join(f"  {name:<11} {what}" for name, (_, what) in BENCHMARKS.items())

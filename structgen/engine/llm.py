@@ -41,7 +41,12 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         structured: StructuredOutputConfig | None = None,
+        reasoning_parser: str | None = None,
+        thinking_token_budget: int | None = None,
     ) -> None:
+        """`reasoning_parser` ("qwen3", "deepseek_r1"): each output's `<think>` reasoning lands in `.reasoning`,
+        the answer alone in `.text`, and a structured request's grammar starts after the reasoning;
+        `thinking_token_budget`: the reasoning budget of requests whose SamplingParams set none."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -64,6 +69,8 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             structured=structured,
+            reasoning_parser=reasoning_parser,
+            thinking_token_budget=thinking_token_budget,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -81,10 +88,13 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        reasoning: bool = True,
     ) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in input order. `params` is shared or one per prompt.
 
-        `use_tqdm` shows a progress bar (default: for 8+ prompts when stderr is a terminal).
+        `use_tqdm` shows a progress bar (default: for 8+ prompts when stderr is a terminal). `reasoning=False`:
+        no reasoning phase even with a reasoning parser (the whole output is `text` and any grammar applies from
+        its first token), as the server's `/v1/completions` treats raw prompts.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -97,7 +107,7 @@ class LLM:
             param_list = params
         else:
             param_list = [params if params is not None else SamplingParams()] * len(prompt_list)
-        return self._run(prompt_list, param_list, use_tqdm=use_tqdm)
+        return self._run(prompt_list, param_list, use_tqdm=use_tqdm, reasoning=reasoning)
 
     def chat(
         self,
@@ -109,17 +119,21 @@ class LLM:
         tools: list[Any] | None = None,
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template.
 
         With `tools` (OpenAI tool definitions) the calls are grammar-enforced as `tool_choice` says (default
         "auto") and each finished output is a `ToolCompletionOutput` carrying `content` and `tool_calls`.
+        `chat_template_kwargs` (vLLM's name, e.g. `{"enable_thinking": False}`) and any other keyword arguments
+        are passed to the chat template; the dict wins where both name a variable.
         """
         from structgen.tools.outputs import with_tool_calls
         from structgen.tools.plan import ToolCallPlan
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template_kwargs = {**template_kwargs, **(chat_template_kwargs or {})}
         tokenizer = self.engine.tokenizer
         plan = None
         if tools is not None or tool_choice is not None:
@@ -147,13 +161,18 @@ class LLM:
         return results if plan is None else [with_tool_calls(r, plan.parse) for r in results]
 
     def _run(
-        self, prompts: list[PromptInput], params: list[SamplingParams], *, use_tqdm: bool | None
+        self,
+        prompts: list[PromptInput],
+        params: list[SamplingParams],
+        *,
+        use_tqdm: bool | None,
+        reasoning: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(request_id, prompt, p, stream=False)
+                engine.add_request(request_id, prompt, p, stream=False, reasoning=reasoning)
         except Exception:
             engine.abort(ids)
             raise
