@@ -16,6 +16,7 @@ canonically, which is what the budget is counted in.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -249,6 +250,8 @@ Plan = tuple[int, ...]  # the tokens of a completion
 
 _INITIAL_NEED: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
 _INITIAL_NEED_SIZE = 1024
+# Compile threads fill the cache (`StructuredOutputManager` walks a new grammar there) while the step thread reads.
+_INITIAL_NEED_LOCK = threading.Lock()
 
 
 def initial_need(
@@ -261,13 +264,16 @@ def initial_need(
     """Tokens of the shortest complete output of a grammar (cached by `key`): what every request under it
     needs at its start, so requests do not each walk it."""
     key = (tokens.info.tokenizer_id, *key)
-    if key in _INITIAL_NEED:
-        _INITIAL_NEED.move_to_end(key)
-        return _INITIAL_NEED[key]
+    with _INITIAL_NEED_LOCK:
+        if key in _INITIAL_NEED:
+            _INITIAL_NEED.move_to_end(key)
+            return _INITIAL_NEED[key]
     plan = shortest_completion(new_grammar(), tokens, JsonScanner(), hints=hints)
-    _INITIAL_NEED[key] = need = None if plan is None else len(plan)
-    while len(_INITIAL_NEED) > _INITIAL_NEED_SIZE:
-        _INITIAL_NEED.popitem(last=False)
+    need = None if plan is None else len(plan)
+    with _INITIAL_NEED_LOCK:
+        _INITIAL_NEED[key] = need
+        while len(_INITIAL_NEED) > _INITIAL_NEED_SIZE:
+            _INITIAL_NEED.popitem(last=False)
     return need
 
 

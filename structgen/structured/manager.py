@@ -26,7 +26,9 @@ import torch
 
 from structgen.structured.backend import BACKEND_NAMES, Grammar, StructuredBackend, create_backend
 from structgen.structured.bitmask import allocate_token_bitmask
+from structgen.structured.closing import ByteTokens, initial_need
 from structgen.structured.errors import CompileBusyError, CompileTimeoutError, StructuredOutputError
+from structgen.structured.finishing import emits_json, pattern_hints
 from structgen.structured.limits import SchemaLimits
 from structgen.structured.loop_guard import DEFAULT_MAX_NUMBER_DIGITS
 from structgen.structured.select import AUTO_ORDER, CompiledSpec, compile_spec
@@ -194,7 +196,20 @@ class StructuredOutputManager:
                 self.stats.refused_by_limits += 1
             raise
         backends = [self.backend(name) for name in self._order]
-        return compile_spec(spec, backends, time_limit_s=limit, recursion_depth=self.config.recursion_depth)
+        compiled = compile_spec(
+            spec, backends, time_limit_s=limit, recursion_depth=self.config.recursion_depth
+        )
+        if self.config.close_at_budget and emits_json(spec):
+            # The shortest complete output, walked here once per grammar (up to ~0.2 s for a long minLength
+            # string) and cached, so a request's start on the step thread finds it (`Finisher.prepare`).
+            try:
+                key = (compiled.backend, *compiled.spec.key)
+                initial_need(
+                    ByteTokens.of(self.tokenizer), key, compiled.new_grammar, hints=pattern_hints(spec)
+                )
+            except Exception:  # the request walks it itself and meets the error there
+                pass
+        return compiled
 
     def _finish(
         self, key: CacheKey, outer: Future[CompiledSpec], inner: Future[CompiledSpec], timer: threading.Timer
