@@ -22,7 +22,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="smollm2-135m (default), tiny, or a local HF checkpoint directory / .gguf file",
+        help="smollm2-135m (default), tiny, tiny-thinking, or a local HF checkpoint directory / .gguf file",
     )
     parser.add_argument(
         "--dtype",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
 from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
+from structgen.tokenizer.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from structgen.config import EngineConfig
@@ -19,8 +20,8 @@ DEFAULT_MODEL_NAME = "smollm2-135m"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's size, threads, parallelism, KV cache and structured-output options, and the default cap of a
-    chat request's output (besides `--model` and its siblings, which every model command takes)."""
+    """The engine's size, threads, parallelism, KV cache, structured-output and reasoning options, and the default
+    cap of a chat request's output (besides `--model` and its siblings, which every model command takes)."""
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument(
         "--threads",
@@ -60,6 +61,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_structured_flags(parser)
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's <think> ... </think> from its answer: chat reports it as "
+        "message.reasoning / reasoning_content, the Responses API as a reasoning item, and a structured "
+        "request's grammar applies to the answer only (the model must have the markers as tokens)",
+    )
+    parser.add_argument(
+        "--thinking-token-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reasoning tokens a request may spend before </think> is forced, for requests that set no "
+        "thinking_token_budget (default: unlimited; needs --reasoning-parser)",
+    )
+    parser.add_argument(
         "--max-tokens-default",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -84,6 +101,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.structured import StructuredOutputConfig
 
+    budget = args.thinking_token_budget
+    if budget is not None and budget < 0:
+        raise ValueError(f"--thinking-token-budget must be >= 0, got {budget}")
+    if budget is not None and args.reasoning_parser is None:
+        # Without a parser nothing reads the markers, so the budget would be silently ignored.
+        raise ValueError(
+            "--thinking-token-budget needs --reasoning-parser (it limits the reasoning it splits off)"
+        )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -98,6 +123,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             recursion_depth=args.structured_recursion_depth,
             **structured_switches(args),
         ),
+        reasoning_parser=args.reasoning_parser,
+        thinking_token_budget=budget,
     )
 
 

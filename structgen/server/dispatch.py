@@ -41,9 +41,11 @@ async def dispatch(
     *,
     events: EventsFactory | None,
     named_events: bool = False,
+    reasoning: bool = True,
 ) -> StreamingResponse | Finished:
     """With `events` the SSE response (the request is started, so early errors are still plain 4xx; `named_events`
-    frames them as the Responses API does, see `streaming.sse`); without, the finished outputs."""
+    frames them as the Responses API does, see `streaming.sse`); without, the finished outputs. `reasoning=False`
+    turns the engine's reasoning phase off for these prompts (raw text completions)."""
     request.state.request_id = request_id
     ticket = ctx.lifecycle.open()
     call = Call(ctx, request_id, request, ticket)
@@ -51,7 +53,8 @@ async def dispatch(
         # A client that leaves while its request still waits for a first token aborts it too.
         # A plain answer needs no per-step outputs: only the first (it runs) and the finished one.
         started = await unless_disconnected(
-            request, start(ctx, ticket, prompts, params, request_id, stream=events is not None)
+            request,
+            start(ctx, ticket, prompts, params, request_id, stream=events is not None, reasoning=reasoning),
         )
         if events is not None:
             return sse(events(call, started), call, named=named_events)

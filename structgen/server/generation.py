@@ -38,16 +38,23 @@ class Call:
         self.created = int(time.time())
         self.state = request.state
         self.ticket = ticket
+        # An engine with a reasoning parser reports the tokens spent reasoning in every usage.
+        self.reports_reasoning = getattr(ctx.engine.engine, "reasoning_parser", None) is not None
 
     def finish(self, prompt_tokens: int, finals: list[CompletionOutput]) -> p.Usage:
         """The usage of the finished outputs; notes them for the request log and the metrics."""
         completion_tokens = sum(len(o.token_ids) for o in finals)
         self.state.usage = (prompt_tokens, completion_tokens)
         self.ctx.metrics.observe_outputs(finals)
+        details = None
+        if self.reports_reasoning:
+            reasoning_tokens = sum(o.num_reasoning_tokens for o in finals)
+            details = p.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return p.Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            completion_tokens_details=details,
         )
 
     def missing_error(self) -> APIError:
@@ -65,15 +72,19 @@ async def start(
     request_id: str,
     *,
     stream: bool = True,
+    reasoning: bool = True,
 ) -> list[Started]:
     """Add one engine request per prompt and wait for each one's first output; errors become 400 / 503.
-    `stream=False` (a plain answer): after the first output, only the finished one comes."""
+    `stream=False` (a plain answer): after the first output, only the finished one comes. `reasoning=False`:
+    no reasoning phase even where the engine has a reasoning parser (`AsyncEngine.generate`)."""
     started: list[Started] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             with ticket.queued(rid):
-                stream_of = ctx.engine.generate(prompt, params, request_id=rid, stream=stream)
+                stream_of = ctx.engine.generate(
+                    prompt, params, request_id=rid, stream=stream, reasoning=reasoning
+                )
                 started.append((stream_of, await _first(stream_of, ticket)))
             raise_failed(started[-1][1].outputs)
     except BaseException:

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from structgen.engine.outputs import CompletionOutput, TokenLogprob
 from structgen.sampling_params import SamplingParams
@@ -96,6 +96,7 @@ class _SamplingFields(SamplingExtras):
         logprobs: int | None,
         *,
         has_tools: bool = False,
+        thinking_token_budget: int | None = None,
     ) -> SamplingParams:
         """The engine's view of this request; a bad value is a 400 that names the field."""
         try:
@@ -117,6 +118,7 @@ class _SamplingFields(SamplingExtras):
                 logprobs=logprobs,
                 min_tokens=self.min_tokens,
                 structured_outputs=self._structured(response_format, has_tools=has_tools),
+                thinking_token_budget=thinking_token_budget,
                 **{k: v for k, v in optional.items() if v is not None},
             )
         except APIError:
@@ -135,6 +137,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier assistant turn's reasoning, as vLLM (`reasoning`, `reasoning_content`) answers it: handed to the
+    # chat template, which decides what of it the prompt keeps (Qwen3's drops it from turns before the last query).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content parts joined into one string."""
@@ -155,6 +161,9 @@ class ChatMessage(_Request):
         for key in ("name", "tool_calls", "tool_call_id"):
             if (value := getattr(self, key)) is not None:
                 message[key] = value
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -168,6 +177,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (`serve --reasoning-parser`), in vLLM's terms: the most tokens the reasoning may take before
+    # the answer is forced to start (unset: the server's `--thinking-token-budget`); keyword arguments for the
+    # chat template (`{"enable_thinking": false}` turns Qwen3's reasoning off; checked in `chat_prompt`); and
+    # whether the answer reports the reasoning (false: `reasoning` / `reasoning_content` stay null).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     @property
     def max_tokens_given(self) -> bool:
@@ -182,7 +198,13 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         has_tools = self.tools is not None or self.tool_choice is not None
-        return self._sampling_params(max_tokens, self.response_format, logprobs, has_tools=has_tools)
+        return self._sampling_params(
+            max_tokens,
+            self.response_format,
+            logprobs,
+            has_tools=has_tools,
+            thinking_token_budget=self.thinking_token_budget,
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -211,10 +233,24 @@ class CompletionRequest(_SamplingFields):
 # -- responses ------------------------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # output tokens spent before the answer (the reasoning and its markers)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Only where the engine has a reasoning parser; left out (not null) elsewhere, so a server without one keeps
+    # the usage shape it always had.
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_details(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if data.get("completion_tokens_details", 0) is None:
+            del data["completion_tokens_details"]
+        return data
 
 
 class ModelCard(BaseModel):
@@ -235,6 +271,11 @@ class AssistantMessage(BaseModel):
     refusal: None = None
     # None (sent as null, which the `openai` SDK reads as no tool calls) unless the model called tools.
     tool_calls: list[dict[str, Any]] | None = None
+    # With a reasoning parser: what the model reasoned before `content` (markers left out), under vLLM's newer
+    # name and DeepSeek's older one, which clients read; null when the output had no reasoning phase, or with
+    # `include_reasoning: false`.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class StructuredInfo(BaseModel):
@@ -293,6 +334,9 @@ class ChatDelta(BaseModel):
     content: str | None = None
     refusal: None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning delta, under both names as on `AssistantMessage`; the keys are left out of other chunks.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

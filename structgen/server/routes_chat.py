@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from structgen.engine.outputs import CompletionOutput
 from structgen.server import protocol as p
 from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
@@ -72,7 +73,8 @@ async def run_chat(
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def events(call: Call, started: list[Started]) -> ChunkStream:
-        chunks = tools.events(chat_chunks(call, started, params.n, include_usage))
+        chunks = chat_chunks(call, started, params.n, include_usage, include_reasoning=body.include_reasoning)
+        chunks = tools.events(chunks)
         return chunks if rewrite is None else rewrite(call, started, chunks)
 
     result = await dispatch(
@@ -89,7 +91,7 @@ async def run_chat(
     choices = [
         p.ChatChoice(
             index=i,
-            message=tools.message(o),
+            message=with_reasoning(tools.message(o), o, include=body.include_reasoning),
             logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
             finish_reason=tools.finish_reason(o),
             structured=p.StructuredInfo.of(o),
@@ -104,6 +106,16 @@ async def run_chat(
         usage=result.call.finish(result.prompt_tokens, result.outputs),
     )
     return ChatAnswer(completion, result.started)
+
+
+def with_reasoning(
+    message: p.AssistantMessage, output: CompletionOutput, *, include: bool
+) -> p.AssistantMessage:
+    """`message` with the output's reasoning under both names (tool calls and content come from the answer
+    alone: the engine keeps the reasoning out of `text`)."""
+    if include and output.reasoning is not None:
+        message.reasoning = message.reasoning_content = output.reasoning
+    return message
 
 
 def check_model(requested: str | None, served: str) -> None:

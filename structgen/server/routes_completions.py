@@ -26,8 +26,17 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
             echo = _prompt_texts(ctx, started) if body.echo else None
             return completion_chunks(call, started, params.n, include_usage, echo)
 
+        # A raw completion continues the prompt as it is: there is no chat turn for a reasoning phase to open, so
+        # the engine's reasoning parser stays off (any grammar applies from the first token and the whole output
+        # is `text`), as vLLM's completions have no reasoning split either.
         result = await dispatch(
-            ctx, request, p.new_id("cmpl"), body.prompts(), params, events=events if body.stream else None
+            ctx,
+            request,
+            p.new_id("cmpl"),
+            body.prompts(),
+            params,
+            events=events if body.stream else None,
+            reasoning=False,
         )
         if not isinstance(result, Finished):
             return result

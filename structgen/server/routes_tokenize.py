@@ -28,7 +28,13 @@ from structgen.server.routes_chat import check_model
 
 # Fields of the conversation form only; a `prompt` request naming one is refused rather than quietly
 # counted without it.
-_MESSAGES_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "tool_choice")
+_MESSAGES_ONLY = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+)
 
 
 class TokenizeRequest(_Body):
@@ -45,6 +51,8 @@ class TokenizeRequest(_Body):
     # Not in vLLM's request, but part of what the chat route renders: with "none" the tools stay out of the
     # prompt, so a chat request's exact prompt can be counted.
     tool_choice: str | dict[str, Any] | None = None
+    # Extra chat template variables, as the chat route takes them (`{"enable_thinking": false}`).
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 
@@ -115,7 +123,12 @@ def _conversation_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
             param="continue_final_message",
         )
     # The chat route's own request, so its checks (tools, tool_choice) and its rendering apply unchanged.
-    chat = p.ChatCompletionRequest(messages=body.messages, tools=body.tools, tool_choice=body.tool_choice)
+    chat = p.ChatCompletionRequest(
+        messages=body.messages,
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
     prompt = chat_prompt(
         ctx.tokenizer,
         chat,

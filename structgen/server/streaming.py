@@ -67,8 +67,13 @@ async def _choice_outputs(
 
 
 async def chat_chunks(
-    call: Call, started: list[Started], n: int, include_usage: bool
+    call: Call, started: list[Started], n: int, include_usage: bool, *, include_reasoning: bool = True
 ) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks: the role, then each choice's deltas, its finish, and the usage last when asked for. A
+    reasoning delta goes out in a chunk of its own, before the answer's from the same step: the tool-call parser
+    (`ChatTools.events`) reads content chunks only and passes it on untouched. `include_reasoning=False` leaves
+    the reasoning out."""
+
     def chunk(
         index: int,
         delta: p.ChatDelta,
@@ -92,11 +97,24 @@ async def chat_chunks(
     async for index, o in _choice_outputs(call, started, n):
         if o.finished:
             finals[index] = o
-        if o.delta_text:
-            new = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else None
-            sent[index] = len(o.logprobs or ())
-            logprobs = p.chat_logprobs(call.tokenizer, new) if new is not None else None
-            yield chunk(index, p.ChatDelta(content=o.delta_text), logprobs=logprobs)
+        reasoning = o.delta_reasoning if include_reasoning else ""
+        if reasoning or o.delta_text:
+            start = sent.get(index, 0)
+            thinking, answer = _new_logprobs(o, start, apart=include_reasoning)
+            # The reasoning tokens' logprobs go with the reasoning (on an empty delta where the step has no
+            # reasoning text, as for `</think>`), the answer's with its text; the Responses API reads the latter
+            # only. Entries of an answer whose text is still held back wait for it.
+            if reasoning or thinking:
+                delta = (
+                    p.ChatDelta(reasoning=reasoning, reasoning_content=reasoning)
+                    if reasoning
+                    else p.ChatDelta()
+                )
+                yield chunk(index, delta, logprobs=_chat_logprobs(call, thinking))
+            sent[index] = start + len(thinking or ())
+            if o.delta_text:
+                yield chunk(index, p.ChatDelta(content=o.delta_text), logprobs=_chat_logprobs(call, answer))
+                sent[index] += len(answer or ())
         if o.finished:
             rest = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else []
             logprobs = p.chat_logprobs(call.tokenizer, rest) if rest else None
@@ -108,6 +126,22 @@ async def chat_chunks(
         yield p.ChatCompletionChunk(
             id=call.id, created=call.created, model=call.model, choices=[], usage=usage
         ).model_dump()
+
+
+def _new_logprobs(
+    o: CompletionOutput, start: int, *, apart: bool
+) -> tuple[list[Any] | None, list[Any] | None]:
+    """The logprob entries since `start` (None when not asked for): the reasoning tokens', then the answer's.
+    While the output reasons `num_reasoning_tokens` counts every token so far; `apart=False`: all are the
+    answer's."""
+    if o.logprobs is None:
+        return None, None
+    boundary = max(start, min(o.num_reasoning_tokens, len(o.logprobs))) if apart else start
+    return o.logprobs[start:boundary], o.logprobs[boundary:]
+
+
+def _chat_logprobs(call: Call, entries: list[Any] | None) -> dict[str, Any] | None:
+    return p.chat_logprobs(call.tokenizer, entries) if entries is not None else None
 
 
 async def completion_chunks(
@@ -158,8 +192,13 @@ async def completion_chunks(
 
 def _lean(event: dict[str, Any]) -> dict[str, Any]:
     """The chunk without a `structured: null` key: it is sent once, with a structured choice's finish_reason,
-    and a null on every other chunk would only add bytes to each."""
+    and a null on every other chunk would only add bytes to each. The same for a chat delta's null reasoning
+    keys (vLLM sends them only with reasoning, and clients read them with a default)."""
     for choice in event["choices"]:
         if choice.get("structured", 0) is None:
             del choice["structured"]
+        delta = choice.get("delta")
+        for key in ("reasoning", "reasoning_content"):
+            if delta is not None and delta.get(key, 0) is None:
+                del delta[key]
     return event

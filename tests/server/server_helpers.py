@@ -43,6 +43,20 @@ def tiny_engine(*, max_num_seqs: int = 256, structured: StructuredOutputConfig |
     return AsyncEngine(LLMEngine(config))
 
 
+def tiny_thinking_engine(reasoning_parser: str, *, thinking_token_budget: int | None = None) -> AsyncEngine:
+    """`tiny-thinking` (random weights, `<think>` / `</think>` tokens, a Qwen3-style template) with a reasoning
+    parser; llguidance alone, as building every backend for its 100k vocabulary takes long on a shared CPU."""
+    config = EngineConfig(
+        model="tiny-thinking",
+        device="cpu",
+        cache=CacheConfig(kv_cache_tokens=TINY_KV_CACHE_TOKENS),
+        structured=StructuredOutputConfig(backend="llguidance"),
+        reasoning_parser=reasoning_parser,
+        thinking_token_budget=thinking_token_budget,
+    )
+    return AsyncEngine(LLMEngine(config))
+
+
 def call(
     app: Any, method: str, path: str, *, headers: dict[str, str] | None = AUTH, **kwargs: Any
 ) -> httpx.Response:

@@ -135,7 +135,11 @@ def test_a_tool_turn_becomes_assistant_tool_calls_and_tool_results() -> None:
             "input[0].content[0].type",
             ["input_image"],
         ),
-        ([{"type": "reasoning", "summary": []}], "input[0].type", ["'reasoning'", "function_call_output"]),
+        (
+            [{"type": "web_search_call"}],
+            "input[0].type",
+            ["'web_search_call'", "function_call_output", "reasoning"],
+        ),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id", ["call_id"]),
         (["text"], "input[0]", ["must be an object"]),
     ],

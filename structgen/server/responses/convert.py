@@ -2,7 +2,9 @@
 
 A Responses request becomes a `ChatCompletionRequest` that the chat pipeline (`routes_chat.run_chat`) serves:
 input items become chat messages (function calls assistant `tool_calls`, their outputs `role: "tool"`
-messages), `instructions` a system message first, the flat `text.format` / `tools` / `tool_choice` shapes
+messages, a reasoning item the `reasoning_content` of the assistant turn it precedes, which the chat template
+keeps or drops as the model was trained: Qwen3's drops it from turns before the last user message),
+`instructions` a system message first, the flat `text.format` / `tools` / `tool_choice` shapes
 chat's nested ones, `max_output_tokens` `max_completion_tokens`. Errors the chat pipeline raises in chat's
 terms are renamed back (`responses_error`), so a 400 names the field the client sent.
 
@@ -25,7 +27,7 @@ from structgen.server.responses.protocol import ResponsesRequest, new_id
 _ROLES = ("user", "assistant", "system", "developer")
 # Content parts read as text: what a client writes, what the model wrote (an output message sent back).
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
-_ITEM_TYPES = "message, function_call, function_call_output"
+_ITEM_TYPES = "message, function_call, function_call_output, reasoning"
 
 
 def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,6 +67,8 @@ def _item(item: Any, where: str) -> dict[str, Any]:
             "call_id": _string(item, "call_id", where),
             "output": text,
         }
+    if kind == "reasoning":
+        return _reasoning(item, where)
     raise APIError(
         400,
         f"{where}: input items of type {kind!r} are not supported (supported: {_ITEM_TYPES})",
@@ -91,6 +95,35 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         "status": "completed",
         "content": [part],
     }
+
+
+def _reasoning(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A reasoning item sent back (an earlier output, as clients that keep their own context send it)."""
+    if item.get("encrypted_content") is not None:
+        raise APIError(
+            400,
+            f"{where}.encrypted_content: this server writes no encrypted reasoning and cannot read any; send the "
+            "item's reasoning_text content instead, or leave the item out",
+            param=f"{where}.encrypted_content",
+        )
+    return {
+        "id": item.get("id") or new_id("rs"),
+        "type": "reasoning",
+        "summary": _parts(item.get("summary", []), f"{where}.summary", "summary_text"),
+        "content": _parts(item.get("content") or [], f"{where}.content", "reasoning_text"),
+        "status": "completed",
+    }
+
+
+def _parts(parts: Any, where: str, kind: str) -> list[dict[str, str]]:
+    """A reasoning item's `summary` or `content`: `{"type": kind, "text": ...}` parts."""
+    if not isinstance(parts, list):
+        raise APIError(400, f"{where} must be a list of {kind} parts", param=where)
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get("text"), str):
+            got = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{i}] must be a {kind} part with a text, got {got!r}", param=where)
+    return [{"type": kind, "text": part["text"]} for part in parts]
 
 
 def _joined(parts: Any, where: str, kinds: tuple[str, ...]) -> str:
@@ -120,9 +153,16 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Normalized items → chat messages. Function calls join the assistant message before them (the text a model
-    writes before its calls), so a turn renders as the model wrote it."""
+    writes before its calls), so a turn renders as the model wrote it. A reasoning item opens an assistant turn:
+    its text becomes that turn's `reasoning_content` (the template decides what the prompt keeps of it); one
+    that no assistant output follows is dropped."""
     messages: list[dict[str, Any]] = []
+    reasoning: str | None = None  # the reasoning of the assistant turn about to start
     for item in items:
+        if item["type"] == "reasoning":
+            text = "".join(part["text"] for part in item["content"] or item["summary"])
+            reasoning = text if reasoning is None else reasoning + text
+            continue
         if item["type"] == "message":
             text = "".join(part.get("text", part.get("refusal", "")) for part in item["content"])
             messages.append({"role": item["role"], "content": text})
@@ -132,12 +172,15 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and reasoning is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:  # function_call_output
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+        reasoning = None
     return messages
 
 
@@ -165,6 +208,8 @@ def chat_request(
         "stream_options": {"include_usage": True} if body.stream else None,
         "logprobs": body.wants_logprobs,
         "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
+        "thinking_token_budget": body.thinking_token_budget,
+        "chat_template_kwargs": body.chat_template_kwargs,
     }
     try:
         return p.ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})

@@ -1,7 +1,9 @@
 """The Responses API's stream: chat chunks in, typed events out, in the order the `openai` SDK's accumulator
 reads them.
 
-`response.created`, `response.in_progress`; per message `response.output_item.added`,
+`response.created`, `response.in_progress`; for the reasoning (with a reasoning parser) `response.output_item.added`,
+`response.content_part.added`, `response.reasoning_text.delta`…, `response.reasoning_text.done`,
+`response.content_part.done`, `response.output_item.done`; per message `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
 `response.content_part.done`, `response.output_item.done`; per function call `response.output_item.added`,
 `response.function_call_arguments.delta`…, `response.function_call_arguments.done`,
@@ -51,6 +53,8 @@ async def response_events(
             choice = chunk["choices"][0]
             delta = choice["delta"]
             events = []
+            if delta.get("reasoning"):
+                events += output.reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += output.text(delta["content"], (choice.get("logprobs") or {}).get("content"))
             for call in delta.get("tool_calls") or ():
@@ -75,7 +79,7 @@ async def response_events(
         head,
         status=status,
         output=output.items,
-        usage=usage_of(usage["prompt_tokens"], usage["completion_tokens"], cached_tokens),
+        usage=usage_of(usage, cached_tokens),
         structured=structured,
     ).model_dump()
     on_done(response)

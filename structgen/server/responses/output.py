@@ -1,7 +1,7 @@
 """The conversion layer, answer side: chat outputs → Responses output items and Response objects.
 
-`OutputItems` builds a response's items from its chat deltas (text, tool-call starts, argument pieces) and
-says, step by step, which stream events each change makes. A plain answer runs through it too
+`OutputItems` builds a response's items from its chat deltas (reasoning, text, tool-call starts, argument pieces)
+and says, step by step, which stream events each change makes. A plain answer runs through it too
 (`from_choice`), so a stream and a plain answer of the same output end with the same items.
 """
 
@@ -15,6 +15,7 @@ from structgen.server import protocol as p
 from structgen.server.responses.convert import echo_tools
 from structgen.server.responses.protocol import (
     InputTokensDetails,
+    OutputTokensDetails,
     Response,
     ResponsesRequest,
     ResponseUsage,
@@ -35,6 +36,29 @@ class OutputItems:
         self._open: dict[str, Any] | None = None
         self._pending = ""
         self._pending_logprobs: list[dict[str, Any]] = []
+
+    def reasoning(self, delta: str) -> list[Event]:
+        """Reasoning text: one `reasoning` item (OpenAI's `ResponseReasoningItem`, its text in one
+        `reasoning_text` content part), opened by the first piece; it comes before the answer's items."""
+        events: list[Event] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            if self._open is not None:
+                events += self._close("completed")
+            item = {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "encrypted_content": None,
+                "status": "in_progress",
+            }
+            events += self._add(item)
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            events.append(self._on_text("response.content_part.added", part=copy.deepcopy(part)))
+        self._open["content"][0]["text"] += delta  # type: ignore[index]
+        events.append(self._on_text("response.reasoning_text.delta", delta=delta))
+        return events
 
     def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         events: list[Event] = []
@@ -82,10 +106,12 @@ class OutputItems:
         ]
 
     def finish(self, status: Status) -> list[Event]:
-        """Close the output. One that wrote nothing (or only whitespace) is a message with that text, as chat
-        answers `content: ""`."""
+        """Close the output. One that wrote nothing (or only whitespace) besides its reasoning is a message with
+        that text, as chat answers `content: ""`."""
         events: list[Event] = []
-        if not self.items:
+        if all(item["type"] == "reasoning" for item in self.items):
+            if self._open is not None:  # the output ended in its reasoning (or right after it)
+                events += self._close(status)
             pending, logprobs = self._pending, self._pending_logprobs
             self._pending, self._pending_logprobs = "", []
             events += self._open_message()
@@ -124,7 +150,13 @@ class OutputItems:
         assert item is not None
         item["status"] = status
         index = len(self.items) - 1
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [
+                self._on_text("response.reasoning_text.done", text=part["text"], item=item),
+                self._on_text("response.content_part.done", part=copy.deepcopy(part), item=item),
+            ]
+        elif item["type"] == "message":
             part = item["content"][0]
             events = [
                 self._on_text(
@@ -146,7 +178,7 @@ class OutputItems:
         ]
 
     def _on_text(self, kind: str, *, item: dict[str, Any] | None = None, **fields: Any) -> Event:
-        """An event about the open message's text part."""
+        """An event about the open item's text part (a message's, or a reasoning item's)."""
         item = item if item is not None else self._open
         assert item is not None
         return {
@@ -163,13 +195,19 @@ def status_of(finish_reason: str | None) -> Status:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def from_choice(choice: p.ChatChoice) -> tuple[list[dict[str, Any]], Status]:
-    """The output items of a finished chat choice (through `OutputItems`, as a stream would build them)."""
+def from_choice(choice: p.ChatChoice, *, reasoning_tokens: int = 0) -> tuple[list[dict[str, Any]], Status]:
+    """The output items of a finished chat choice (through `OutputItems`, as a stream would build them).
+    `reasoning_tokens`: the output tokens before the answer, whose logprobs belong to no text part."""
     message, status = choice.message, status_of(choice.finish_reason)
     output = OutputItems()
     # The logprobs cover the whole output; with calls in it they belong to no text part.
     logprobs = (choice.logprobs or {}).get("content") if not message.tool_calls else None
-    if message.content is not None:
+    logprobs = logprobs[reasoning_tokens:] if logprobs is not None else None
+    # Only what a stream would send: no reasoning item for an empty reasoning, and an empty answer, sent as no
+    # delta at all, leaves the reasoning open for `finish` to close with the output's status.
+    if message.reasoning:
+        output.reasoning(message.reasoning)
+    if message.content or logprobs:
         output.text(message.content, logprobs)
     for call in message.tool_calls or ():
         output.call(call["id"], call["function"]["name"])
@@ -199,7 +237,16 @@ def response_head(body: ResponsesRequest, *, response_id: str, model: str) -> di
         "truncation": body.truncation or "disabled",
         "user": body.user,
         "metadata": body.metadata or {},
+        "reasoning": _reasoning_echo(body),
     }
+
+
+def _reasoning_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's `reasoning` settings as a Response reports them (taken, not acted on)."""
+    given = body.reasoning
+    if given is None:
+        return {"effort": None, "summary": None}
+    return {"effort": given.effort, "summary": given.summary or given.generate_summary}
 
 
 def response_object(
@@ -222,10 +269,13 @@ def response_object(
     )
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> ResponseUsage:
+def usage_of(usage: dict[str, Any], cached_tokens: int) -> ResponseUsage:
+    """The Responses usage of a chat usage (`protocol.Usage`, dumped)."""
+    details = usage.get("completion_tokens_details") or {}
     return ResponseUsage(
-        input_tokens=prompt_tokens,
+        input_tokens=usage["prompt_tokens"],
         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
-        output_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
+        output_tokens=usage["completion_tokens"],
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=details.get("reasoning_tokens", 0)),
+        total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
     )

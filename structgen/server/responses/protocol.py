@@ -33,6 +33,16 @@ class TextConfig(_Body):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningConfig(_Body):
+    """`reasoning`: OpenAI's effort and summary settings, accepted and echoed but not acted on. A reasoning
+    model here reasons as its chat template has it; `thinking_token_budget` (and `chat_template_kwargs`, e.g.
+    `{"enable_thinking": false}`) are this server's knobs. Effort is any string, so newer levels pass too."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of `summary`
+
+
 class ResponsesRequest(SamplingExtras):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -53,6 +63,10 @@ class ResponsesRequest(SamplingExtras):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
+    # vLLM's reasoning fields, as chat takes them (`ChatCompletionRequest`).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -95,8 +109,9 @@ class IncompleteDetails(BaseModel):
 
 
 class Response(BaseModel):
-    """OpenAI's Response object. Output items are plain JSON (`output.py` builds them): `message` items with
-    `output_text` parts and `function_call` items. `structured` is this server's extension, as on chat choices:
+    """OpenAI's Response object. Output items are plain JSON (`output.py` builds them): a `reasoning` item with
+    `reasoning_text` content (with a reasoning parser), `message` items with `output_text` parts and
+    `function_call` items. `structured` is this server's extension, as on chat choices:
     how a structured output was served (null for unconstrained ones); SDKs keep it as an extra field."""
 
     id: str
@@ -143,5 +158,5 @@ class InputItemList(BaseModel):
 
 
 def new_id(prefix: str) -> str:
-    """An id in OpenAI's Responses style (`resp_…`, `msg_…`, `fc_…`): an underscore, then 32 hex digits."""
+    """An id in OpenAI's Responses style (`resp_…`, `rs_…`, `msg_…`, `fc_…`): an underscore, then 32 hex digits."""
     return f"{prefix}_{uuid.uuid4().hex}"

@@ -121,12 +121,13 @@ async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesReque
     if isinstance(answer, StreamingResponse):
         return answer
     choice, usage = answer.completion.choices[0], answer.completion.usage
-    output, status = from_choice(choice)
+    details = usage.completion_tokens_details
+    output, status = from_choice(choice, reasoning_tokens=details.reasoning_tokens if details else 0)
     response = response_object(
         head,
         status=status,
         output=output,
-        usage=usage_of(usage.prompt_tokens, usage.completion_tokens, _cached(answer.started)),
+        usage=usage_of(usage.model_dump(), _cached(answer.started)),
         structured=choice.structured,
     ).model_dump()
     remember(response)
