@@ -8,7 +8,13 @@ the time of its own `engine.step()` calls. Pass k of either side sends the same 
 
 - reasoning: the output reasons freely for `--budget` tokens (`thinking_token_budget`), then `</think>` is
   forced and the answer runs under the schema's grammar;
-- plain: no parser, the same schema from the first token.
+- plain: no parser, the same schema from the first token;
+- free: no parser, no schema, `--budget + 1` tokens (EOS ignored): the reasoning side's reasoning on its own.
+
+The sides produce different token mixes (the plain side's answers are a third forced tokens, which count without
+a step of their own; the reasoning side adds `--budget` sampled tokens to the same answers), so the ratio of their
+tokens/s says little about what the switch costs. What isolates it: the reasoning side's time against the plain
+and free sides' times added up (`vs_parts`: 1.0 means reasoning-then-answer costs what its two parts cost apart).
 
 Both prompts open the reasoning block (`...<|im_start|>assistant\\n<think>\\n`, as DeepSeek-R1's and Qwen3's
 thinking templates do), so the two sides prefill the same tokens and either parser starts in the reasoning
@@ -41,7 +47,7 @@ from structgen.bench.structured_shapes import SHAPES, validator
 SCHEMA = SHAPES["nested"]
 ASK = "Describe a person with address and contact as JSON."
 SEED = 2000
-SIDES = ("reasoning", "plain")
+SIDES = ("reasoning", "plain", "free")
 NO_MARKERS = (
     "{model}: {error}\nthis benchmark needs a reasoning model: SmolLM2 and tiny have no <think>/</think> "
     "tokens; use --model tiny-thinking or a Qwen3 / DeepSeek-R1 checkpoint"
@@ -106,13 +112,21 @@ def prompt(tokenizer: Any, tag: str, index: int) -> dict[str, Any]:
 
 
 def run_pass(
-    engine: Any, tally: Tally | None, *, tag: str, batch: int, max_tokens: int, budget: int | None
+    engine: Any,
+    tally: Tally | None,
+    *,
+    tag: str,
+    batch: int,
+    max_tokens: int,
+    budget: int | None,
+    free: bool = False,
 ) -> None:
-    """`batch` requests to completion on `engine`, counted into `tally` (None: a warm-up)."""
+    """`batch` requests to completion on `engine`, counted into `tally` (None: a warm-up). `free`: no schema,
+    exactly `max_tokens` tokens each."""
     from structgen.sampling_params import SamplingParams
     from structgen.structured import StructuredOutputsParams
 
-    so = StructuredOutputsParams(json=SCHEMA)
+    so = None if free else StructuredOutputsParams(json=SCHEMA)
     for i in range(batch):
         params = SamplingParams(
             temperature=1.0,
@@ -120,6 +134,7 @@ def run_pass(
             max_tokens=max_tokens,
             structured_outputs=so,
             thinking_token_budget=budget,
+            ignore_eos=free,
         )
         engine.add_request(f"{tag}-{i}", prompt(engine.tokenizer, tag, i), params, stream=False)
     sampled_before, seconds, finished = engine.counters.num_generated_tokens, 0.0, []
@@ -136,7 +151,11 @@ def run_pass(
     tally.sampled += engine.counters.num_generated_tokens - sampled_before
     check = validator(SCHEMA)
     for output in finished:
-        count(tally, output, check, reasoning=budget is not None)
+        if free:
+            tally.outputs += 1
+            tally.tokens += len(output.token_ids)
+        else:
+            count(tally, output, check, reasoning=budget is not None)
 
 
 def count(tally: Tally, output: Any, check: Any, *, reasoning: bool) -> None:
@@ -165,27 +184,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engines = make_engines(
         args.model, args.parser, batch=args.batch, max_tokens=args.max_tokens, device=args.device
     )
-    budgets = {"reasoning": args.budget, "plain": None}
+    budgets = {"reasoning": args.budget, "plain": None, "free": None}
+    # The free side runs on the plain engine: the reasoning side's reasoning, alone.
+    engines = (*engines, engines[1])
+    options_of = {
+        "reasoning": {"max_tokens": args.max_tokens},
+        "plain": {"max_tokens": args.max_tokens},
+        "free": {"max_tokens": args.budget + 1, "free": True},
+    }
     tallies = {side: Tally() for side in SIDES}
     per_pass: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
         spec = StructuredOutputsParams(json=SCHEMA).to_spec()
-        for engine in engines:
+        for engine in engines[:2]:
             engine.structured.ensure_manager().compile(spec)
-        options = {"max_tokens": args.max_tokens}
         for side, engine in zip(SIDES, engines, strict=True):  # warm-up: compile paths, allocator, caches
-            run_pass(engine, None, tag=f"w{side}", batch=min(args.batch, 2), budget=budgets[side], **options)
+            batch = min(args.batch, 2)
+            run_pass(engine, None, tag=f"w{side}", batch=batch, budget=budgets[side], **options_of[side])
+        seconds: dict[str, list[float]] = {side: [] for side in SIDES}
         for k in range(args.passes):
             order = SIDES if k % 2 == 0 else SIDES[::-1]  # ABBA
             for side in order:
                 tally, before = tallies[side], (tallies[side].tokens, tallies[side].seconds)
                 engine = engines[SIDES.index(side)]
-                run_pass(engine, tally, tag=f"p{k}", batch=args.batch, budget=budgets[side], **options)
-                per_pass[side].append((tally.tokens - before[0]) / (tally.seconds - before[1]))
+                # (The free side runs on the plain engine: its own tag keeps it from reading the plain side's
+                # prompts from the prefix cache, so it prefills as the reasoning side does.)
+                tag = f"f{k}" if side == "free" else f"p{k}"
+                run_pass(engine, tally, tag=tag, batch=args.batch, budget=budgets[side], **options_of[side])
+                seconds[side].append(tally.seconds - before[1])
+                per_pass[side].append((tally.tokens - before[0]) / seconds[side][-1])
     finally:
-        for engine in engines:
+        for engine in engines[:2]:
             engine.shutdown()
-    thinking, plain = tallies["reasoning"], tallies["plain"]
+    thinking, plain, free = tallies["reasoning"], tallies["plain"], tallies["free"]
     outputs = thinking.outputs + plain.outputs
     return {
         "model": args.model,
@@ -200,9 +231,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_per_pass": [
             round(a / b, 3) for a, b in zip(per_pass["reasoning"], per_pass["plain"], strict=True)
         ],
+        # The reasoning side's time against its two parts' (see the module docstring); 1.0: the switch is free.
+        "vs_parts": round((plain.seconds + free.seconds) / thinking.seconds, 3),
+        "vs_parts_per_pass": [
+            round((p + f) / r, 3)
+            for r, p, f in zip(seconds["reasoning"], seconds["plain"], seconds["free"], strict=True)
+        ],
         "valid_share": round((thinking.valid + plain.valid) / outputs, 4) if outputs else 0.0,
         "reasoning": thinking.report(),
         "plain": plain.report(),
+        "free": free.report(),
     }
 
 
@@ -221,6 +259,10 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"ratio reasoning/plain: {result['ratio']} (per pass: {result['ratio_per_pass']}); "
         f"valid: {result['valid_share']:.1%}"
+    )
+    print(
+        f"reasoning side vs its parts (plain + free time / reasoning time): {result['vs_parts']} "
+        f"(per pass: {result['vs_parts_per_pass']})"
     )
 
 
