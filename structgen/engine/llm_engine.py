@@ -19,7 +19,7 @@ import torch
 from structgen.config import EngineConfig
 from structgen.engine.block_manager import BlockManager
 from structgen.engine.inputs import PromptInput, resolve_max_tokens, tokenize_prompt
-from structgen.engine.metrics import EngineCounters, EngineStats
+from structgen.engine.metrics import EngineCounters, EngineStats, engine_stats
 from structgen.engine.model_runner import LogitsProcessor, ModelRunner
 from structgen.engine.output_processor import OutputProcessor
 from structgen.engine.outputs import RequestOutput
@@ -398,26 +398,4 @@ class LLMEngine:
     # -- metrics -----------------------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        bm, sched, c = self.block_manager, self.scheduler, self.counters
-        num_grammar = sched.num_waiting_for_grammar
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) - num_grammar,
-            num_waiting_for_grammar=num_grammar,
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks,
-            kv_block_size=bm.block_size,
-            num_steps=c.num_steps,
-            num_prompt_tokens_computed=c.num_prompt_tokens_computed,
-            num_generated_tokens=c.num_generated_tokens,
-            num_preemptions=sched.num_preemptions,
-            num_requests_finished=c.num_requests_finished,
-            num_requests_aborted=c.num_requests_aborted,
-            prefix_cache_queried_tokens=bm.num_queried_tokens,
-            prefix_cache_hit_tokens=bm.num_hit_tokens,
-            prefix_cache_evictions=bm.num_evictions,
-            num_jump_forward_tokens=self.output_processor.num_forced_tokens,
-            num_structured_retries=self.structured.num_retries,
-            num_grammar_errors=self.output_processor.num_grammar_errors,
-        )
+        return engine_stats(self)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from structgen.engine.llm_engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -99,3 +103,30 @@ class EngineStats:
         if not self.prefix_cache_queried_tokens:
             return 0.0
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """The engine's gauges and counters now (`LLMEngine.stats`)."""
+    bm, sched, c = engine.block_manager, engine.scheduler, engine.counters
+    num_grammar = sched.num_waiting_for_grammar
+    return EngineStats(
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting) - num_grammar,
+        num_waiting_for_grammar=num_grammar,
+        kv_blocks_total=bm.num_blocks,
+        kv_blocks_used=bm.num_used_blocks,
+        kv_blocks_free=bm.num_free_blocks,
+        kv_block_size=bm.block_size,
+        num_steps=c.num_steps,
+        num_prompt_tokens_computed=c.num_prompt_tokens_computed,
+        num_generated_tokens=c.num_generated_tokens,
+        num_preemptions=sched.num_preemptions,
+        num_requests_finished=c.num_requests_finished,
+        num_requests_aborted=c.num_requests_aborted,
+        prefix_cache_queried_tokens=bm.num_queried_tokens,
+        prefix_cache_hit_tokens=bm.num_hit_tokens,
+        prefix_cache_evictions=bm.num_evictions,
+        num_jump_forward_tokens=engine.output_processor.num_forced_tokens,
+        num_structured_retries=engine.structured.num_retries,
+        num_grammar_errors=engine.output_processor.num_grammar_errors,
+    )
