@@ -41,6 +41,67 @@ class CacheConfig:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
 
+# The most tokens one step may propose for a sequence: with the token it verifies after, at most 16 new tokens on
+# a cached context, which the CPU attention runs as decode rows.
+MAX_SPECULATIVE_TOKENS = 15
+
+
+@dataclass(slots=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's terms (`--speculative-config '{"method": "ngram", ...}'`).
+
+    `ngram`: prompt lookup (`structgen.engine.ngram`), proposing `num_speculative_tokens` tokens after the
+    longest suffix n-gram (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence. Greedy
+    requests speculate; the target model verifies every proposal, so outputs are those without speculation.
+    Speculation stays off in a step with more than `max_batch_size` sequences decoding, where the extra rows
+    would cost the batch more than the saved steps give back (on 2 CPU cores: see BENCHMARKS.md).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    max_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported; supported: ngram (draft_model is not "
+                "built yet)"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, object] | str) -> SpeculativeConfig:
+        """From a config, a dict or a JSON object's text (the CLI flag); ValueError naming what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)  # type: ignore[arg-type]
+
+
 @dataclass(slots=True, kw_only=True)
 class SchedulerConfig:
     """Per-step limits of the continuous-batching scheduler.
@@ -94,6 +155,8 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # The reasoning budget of requests that set none (`SamplingParams.thinking_token_budget`); None: unlimited.
     thinking_token_budget: int | None = None
+    # Speculative decoding (`SpeculativeConfig`, or its dict / JSON text); None: off.
+    speculative_config: SpeculativeConfig | dict[str, object] | str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -104,5 +167,9 @@ class EngineConfig:
             raise ValueError(
                 f"thinking_token_budget must be >= 0 or None, got {self.thinking_token_budget!r}"
             )
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.quantization not in ("auto", "int4", "none"):
             raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")

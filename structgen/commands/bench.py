@@ -33,6 +33,10 @@ BENCHMARKS = {
     ),
     "reliability": ("reliability", "decode step time while pathological schemas arrive"),
     "tp-scaling": ("tp_scaling", "tensor-parallel throughput and communication"),
+    "speculative": (
+        "speculative",
+        "n-gram speculative decoding off vs on: structured extraction, single stream, 8 and 32 in flight",
+    ),
     "reasoning": (
         "reasoning",
         "a JSON schema after a <think> budget vs from the first token (tiny-thinking; SmolLM2 has no markers)",

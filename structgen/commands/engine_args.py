@@ -77,6 +77,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "thinking_token_budget (default: unlimited; needs --reasoning-parser)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4}\' (greedy requests; outputs unchanged; default: off)',
+    )
+    parser.add_argument(
         "--max-tokens-default",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -125,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         reasoning_parser=args.reasoning_parser,
         thinking_token_budget=budget,
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

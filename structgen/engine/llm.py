@@ -6,7 +6,7 @@ import itertools
 import sys
 from typing import TYPE_CHECKING, Any
 
-from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+from structgen.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.outputs import RequestOutput
@@ -43,10 +43,13 @@ class LLM:
         structured: StructuredOutputConfig | None = None,
         reasoning_parser: str | None = None,
         thinking_token_budget: int | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> None:
         """`reasoning_parser` ("qwen3", "deepseek_r1"): each output's `<think>` reasoning lands in `.reasoning`,
         the answer alone in `.text`, and a structured request's grammar starts after the reasoning;
-        `thinking_token_budget`: the reasoning budget of requests whose SamplingParams set none."""
+        `thinking_token_budget`: the reasoning budget of requests whose SamplingParams set none.
+        `speculative_config` (`{"method": "ngram", "num_speculative_tokens": 3}`): speculative decoding of
+        greedy requests (`structgen.engine.speculative`)."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -71,6 +74,7 @@ class LLM:
             structured=structured,
             reasoning_parser=reasoning_parser,
             thinking_token_budget=thinking_token_budget,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

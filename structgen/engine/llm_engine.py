@@ -27,6 +27,7 @@ from structgen.engine.reasoning import new_state
 from structgen.engine.sampler import Sampler, make_generator
 from structgen.engine.scheduler import Scheduler, SchedulerOutput
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
+from structgen.engine.speculative import Speculator
 from structgen.engine.structured import StructuredOutputs
 from structgen.sampling_params import SamplingParams
 from structgen.tokenizer.reasoning import get_reasoning_parser
@@ -148,6 +149,16 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             jump_forward=self.structured.jump_forward,
+        )
+        self.speculator = (
+            Speculator(
+                config.speculative_config,  # type: ignore[arg-type]  (parsed in EngineConfig)
+                structured=self.structured,
+                tokens_left=self.output_processor.tokens_left,
+                num_valid_tokens=self.runner.num_valid_tokens,
+            )
+            if config.speculative_config is not None
+            else None
         )
         # The structured-output layer installs its batched bitmask here (on the first structured request).
         self.logits_processor: LogitsProcessor | None = None
@@ -288,13 +299,18 @@ class LLMEngine:
         ended += self._fork_ended(ended)
         self._finish_all(ended)
         ended_seqs = [seq for seq, _ in ended]
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        spec = speculator.settle(batch) if speculator is not None else {}
         self.last_step_num_tokens = batch.num_batched_tokens
         if batch.is_empty:
             return self._collect_outputs(ended_seqs)
         self._note_scheduled(batch)
         self.structured.prepare(batch.sample_seqs)
-        sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor)
+        sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor, spec=spec)
+        proposals = speculator.take_back(batch, spec) if spec else {}
         self.scheduler.update(batch)
         self.counters.num_steps += 1
         for child in batch.forked:
@@ -324,7 +340,20 @@ class LLMEngine:
             if sampled.top_logprobs is not None:
                 sampled.top_logprobs = [sampled.top_logprobs[i] for i in keep]
         self.counters.num_generated_tokens += len(sample_seqs)
-        self._finish_all(self.output_processor.process(sample_seqs, sampled, self._requests))
+        finished = self.output_processor.process(sample_seqs, sampled, self._requests)
+        if proposals:
+            picks = speculator.counters.num_picks  # type: ignore[union-attr]
+            finished += speculator.verify(  # type: ignore[union-attr]
+                batch,
+                proposals,
+                self.runner.spec_logits,
+                output_processor=self.output_processor,
+                block_manager=self.block_manager,
+                requests=self._requests,
+                ended=finished,
+            )
+            self.counters.num_generated_tokens += speculator.counters.num_picks - picks  # type: ignore[union-attr]
+        self._finish_all(finished)
         return self._collect_outputs(ended_seqs + batch.sample_seqs)
 
     def _fork_ended(

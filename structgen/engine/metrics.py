@@ -93,6 +93,9 @@ class EngineStats:
     num_jump_forward_tokens: int = 0
     num_structured_retries: int = 0
     num_grammar_errors: int = 0
+    # Speculative decoding: proposed tokens the target model verified, and those it accepted.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -108,6 +111,7 @@ class EngineStats:
 def engine_stats(engine: LLMEngine) -> EngineStats:
     """The engine's gauges and counters now (`LLMEngine.stats`)."""
     bm, sched, c = engine.block_manager, engine.scheduler, engine.counters
+    spec = engine.speculator.counters if engine.speculator is not None else None
     num_grammar = sched.num_waiting_for_grammar
     return EngineStats(
         num_running=len(sched.running),
@@ -129,4 +133,6 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_jump_forward_tokens=engine.output_processor.num_forced_tokens,
         num_structured_retries=engine.structured.num_retries,
         num_grammar_errors=engine.output_processor.num_grammar_errors,
+        num_spec_proposed_tokens=spec.num_proposed if spec is not None else 0,
+        num_spec_accepted_tokens=spec.num_accepted if spec is not None else 0,
     )

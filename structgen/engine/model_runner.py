@@ -71,6 +71,8 @@ class ModelRunner:
         self.cuda_graphs: CUDAGraphRunner | None = None
         # Tensor parallelism (rank 0): hands each step to the workers before the local forward runs.
         self.step_sender: Callable[[StepInput], None] | None = None
+        # The last step's logits after each proposal of its speculating sequences (`execute`'s `spec`).
+        self.spec_logits: dict[int, torch.Tensor] = {}
 
     # -- KV cache ----------------------------------------------------------------------------------------------
 
@@ -176,23 +178,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: SchedulerOutput, *, logits_processor: LogitsProcessor | None = None
+        self,
+        batch: SchedulerOutput,
+        *,
+        logits_processor: LogitsProcessor | None = None,
+        spec: dict[int, int] | None = None,
     ) -> tuple[SamplerOutput, list[int]]:
         """Run the batch; returns the sampled tokens (one per `batch.sample_seqs`) and the indices of sampling
-        rows that had no possible token (their entries are -1; the engine aborts them)."""
+        rows that had no possible token (their entries are -1; the engine aborts them). `spec`: {row: k} of
+        sequences whose last `k` new tokens are proposals: their sampled token is the one after the first new
+        token, and `spec_logits[row]` holds the logits after each proposal (`structgen.engine.speculative`)."""
         if batch.blocks_to_copy:
             self._copy_blocks(batch.blocks_to_copy)
         input_ids, positions, metadata = self._prepare(batch)
         rows = sorted(set(batch.sample_indices))
         ends = list(accumulate(metadata.query_lens_cpu))
-        # Each sampling row's last new token.
-        index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
+        spec = spec or {}
+        # Each sampling row's last new token (the one before the proposals, for a speculating sequence).
+        index = torch.tensor(
+            [ends[i] - 1 - spec.get(i, 0) for i in rows], dtype=torch.long, device=self.device
+        )
         if self.step_sender is not None:
             self.step_sender(StepInput(input_ids, positions, metadata, index, batch.blocks_to_copy))
         hidden = self._forward(input_ids, positions, metadata)
         if not batch.sample_seqs:
+            self.spec_logits = {}
             return SamplerOutput(token_ids=[]), []
+        if spec:  # one product for both kinds of rows: a GEMV reads the lm_head once for all of them
+            order = sorted(spec)
+            extra = [p for row in order for p in range(ends[row] - spec[row], ends[row])]
+            index = torch.cat([index, torch.tensor(extra, dtype=torch.long, device=self.device)])
         logits = self.model.compute_logits(hidden.index_select(0, index))  # type: ignore[operator]
+        self.spec_logits = {}
+        if spec:
+            start = len(rows)
+            for row in order:
+                self.spec_logits[row] = logits[start : start + spec[row]]
+                start += spec[row]
+            logits = logits[: len(rows)]
         if len(rows) != len(batch.sample_indices):  # forks sample from their parent's row
             position = {row: j for j, row in enumerate(rows)}
             pick = torch.tensor([position[i] for i in batch.sample_indices], device=self.device)

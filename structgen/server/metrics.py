@@ -176,6 +176,14 @@ class _EngineCollector(Collector):
                 "Resamples of relaxed outputs that failed validation",
                 s.num_structured_retries,
             ),
+            "spec_decode_num_draft_tokens": (
+                "Speculative tokens proposed (n-gram) and verified by the model",
+                s.num_spec_proposed_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Speculative tokens the model accepted",
+                s.num_spec_accepted_tokens,
+            ),
         }
         manager = self.engine.engine.structured.manager
         cache = manager.stats if manager is not None else None

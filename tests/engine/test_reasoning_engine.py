@@ -298,3 +298,19 @@ def test_n_samples_preemption_and_prefix_cache_keep_both_phases_right(
     cramped, cramped_engine = run(kv_cache_tokens=160)
     assert cramped_engine.stats().num_preemptions > 0, "the cache was meant to be too small for the batch"
     assert cramped == roomy
+
+
+def test_speculation_keeps_both_phases_exact(thinking: tuple[Any, Any, Path]) -> None:
+    prompt = _prompt(thinking[1], opened=True) + "so so so so so so so so"
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        engine = _engine(thinking, speculative_config=spec)
+        engine.add_request(
+            "r", prompt, _schema_params(max_tokens=80, temperature=0.0, thinking_token_budget=12)
+        )
+        output = run_all(engine)["r"].outputs[0]
+        _check_split(output, engine.tokenizer)
+        results.append((output.token_ids, output.reasoning, output.text))
+        if spec is not None:
+            assert engine.stats().num_spec_proposed_tokens > 0
+    assert results[0] == results[1]

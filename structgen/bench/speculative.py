@@ -1,0 +1,177 @@
+"""`structgen bench speculative`: n-gram speculative decoding on structured extraction, off vs on (issue 20).
+
+One loaded model, two engines sharing it: one without speculation, one with `--speculative-config` (n-gram
+prompt lookup). The workload is the extraction set of `bench completion` (meetings, contacts, orders: answers
+that copy names, dates and products from the prompt) under each request's JSON schema, greedy, `--max-tokens`.
+Three loads, each run on both engines in alternating order (off, on, then on, off, ...): single stream (the
+requests one after another), `--concurrency` in flight, and 32 in flight (where speculation must switch itself
+off or at least never slow the batch). Reported per load: output tokens/s both sides, the speed-up, the
+acceptance rate (accepted / proposed), and whether every output is token for token the same.
+
+    structgen bench speculative [--model smollm2-135m] [--requests 12] [--max-tokens 128] [-k 3]
+        [--concurrency 8] [--passes 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from structgen.bench.extraction_workload import extraction_requests
+
+SIDES = ("off", "ngram")
+
+
+@dataclass(slots=True)
+class Side:
+    seconds: float = 0.0
+    tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def make_engines(model: str, spec: dict[str, Any], *, max_num_seqs: int) -> tuple[Any, Any]:
+    from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
+    from structgen.engine.llm_engine import LLMEngine
+
+    def config(speculative: dict[str, Any] | None) -> EngineConfig:
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(kv_cache_tokens=32768),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+            speculative_config=speculative,
+        )
+
+    off = LLMEngine(config(None))
+    on = LLMEngine(config(spec), model=off.model, tokenizer=off.tokenizer, model_dir=off.model_dir)
+    return off, on
+
+
+def run_load(
+    engine: Any, requests: list[Any], side: Side, *, concurrency: int, max_tokens: int, tag: str
+) -> None:
+    """All `requests`, at most `concurrency` in flight, timed by `engine.step()` calls."""
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured import StructuredOutputsParams
+
+    counters = engine.speculator.counters if engine.speculator is not None else None
+    before = (counters.num_proposed, counters.num_accepted) if counters is not None else (0, 0)
+    pending = list(requests)
+    in_flight = 0
+    while pending or engine.has_unfinished():
+        while pending and in_flight < concurrency:
+            item = pending.pop(0)
+            prompt = engine.tokenizer.apply_chat_template(item.messages, add_generation_prompt=True)
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                structured_outputs=StructuredOutputsParams(json=item.schema),
+            )
+            engine.add_request(f"{tag}-{item.id}", prompt, params, stream=False)
+            in_flight += 1
+        start = time.perf_counter()
+        outputs = engine.step()
+        side.seconds += time.perf_counter() - start
+        for out in outputs:
+            if out.finished:
+                in_flight -= 1
+                tokens = out.outputs[0].token_ids
+                side.tokens += len(tokens)
+                side.outputs[out.request_id.split("-", 1)[1]] = list(tokens)
+        if engine.last_step_num_tokens == 0:
+            engine.structured.wait(timeout=0.05)
+    if counters is not None:
+        side.proposed += counters.num_proposed - before[0]
+        side.accepted += counters.num_accepted - before[1]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.lookup_max,
+        "max_batch_size": args.max_batch_size,
+    }
+    engines = dict(
+        zip(SIDES, make_engines(args.model, spec, max_num_seqs=max(32, args.concurrency)), strict=True)
+    )
+    requests = extraction_requests(args.requests, seed=7)
+    loads = {"single": 1, f"concurrent-{args.concurrency}": args.concurrency, "concurrent-32": 32}
+    results: dict[str, Any] = {}
+    try:
+        for engine in engines.values():  # warm-up: compiles, allocator
+            run_load(engine, requests[:3], Side(), concurrency=3, max_tokens=args.max_tokens, tag="warm")
+        for load, concurrency in loads.items():
+            batch = requests if concurrency > 1 else requests[: args.single_requests]
+            if concurrency == 32:
+                batch = (requests * (-(-64 // len(requests))))[:64]
+                batch = [type(r)(f"{r.id}-{i}", r.schema, r.messages) for i, r in enumerate(batch)]
+            sides = {side: Side() for side in SIDES}
+            for p in range(args.passes):
+                order = SIDES if p % 2 == 0 else SIDES[::-1]
+                for side in order:
+                    run_load(
+                        engines[side],
+                        batch,
+                        sides[side],
+                        concurrency=concurrency,
+                        max_tokens=args.max_tokens,
+                        tag=f"{load}{p}",
+                    )
+            off, on = sides["off"], sides["ngram"]
+            same = sum(off.outputs[key] == on.outputs.get(key) for key in off.outputs)
+            results[load] = {
+                "off_tok_s": round(off.rate(), 1),
+                "ngram_tok_s": round(on.rate(), 1),
+                "speedup": round(on.rate() / off.rate(), 3) if off.rate() else 0.0,
+                "acceptance": round(on.accepted / on.proposed, 3) if on.proposed else 0.0,
+                "proposed": on.proposed,
+                "accepted": on.accepted,
+                "identical": f"{same}/{len(off.outputs)}",
+            }
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {"model": args.model, "k": args.k, "max_tokens": args.max_tokens, "loads": results}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=12, help="extraction requests per concurrent load")
+    ap.add_argument("--single-requests", type=int, default=6, help="of those, run single stream")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("-k", type=int, default=3, help="num_speculative_tokens (default %(default)s)")
+    ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max (default %(default)s)")
+    ap.add_argument("--max-batch-size", type=int, default=1, help="speculate up to this many decoding")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = measure(args)
+    print(
+        f"{'load':16} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept':>7} {'identical':>10}"
+    )
+    for load, r in result["loads"].items():
+        print(
+            f"{load:16} {r['off_tok_s']:10} {r['ngram_tok_s']:12} {r['speedup']:9} {r['acceptance']:7} "
+            f"{r['identical']:>10}"
+        )
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,234 @@
+"""Speculative decoding in the step: propose, verify in one forward, keep what the target model agrees with.
+
+Before a step is scheduled, each eligible decoding sequence gets up to `k` proposed tokens (n-gram prompt
+lookup, `ngram.py`), cut at the first token its grammar would reject (`validate_tokens` checks without moving
+the matcher) or its phase bans. The proposals sit at the end of `seq.token_ids` only (never in its output), so
+the scheduler runs `[last, d1 .. dk]` as `k + 1` new tokens of one sequence: one forward gives the logits after
+each of them. `settle` keeps the proposals of sequences scheduled whole and takes back the others (preempted, or
+cut by the step's token budget). After the forward, `take_back` removes them again before the scheduler records
+the step, so the KV counted and the blocks offered to the prefix cache hold accepted tokens only.
+
+The token after `last` is sampled as any other (the same mask, the same sampler); while the token just appended
+equals the next proposal, that proposal's KV is valid and the logits after it pick the next token, greedily
+under the grammar's mask, through the same output processor (stop rules, jump-forward, reasoning, closing).
+Verification stops at the first difference, or where the output processor appended more than the token (the
+grammar forced tokens: jump-forward first, speculation for the rest). Greedy requests only: their pick is the
+argmax either way, so outputs are exactly those without speculation (up to the float rounding of a batch of
+several rows, see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from structgen.engine.ngram import propose_ngram
+from structgen.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from structgen.config import SpeculativeConfig
+    from structgen.engine.block_manager import BlockManager
+    from structgen.engine.output_processor import OutputProcessor
+    from structgen.engine.scheduler import SchedulerOutput
+    from structgen.engine.sequence import Request
+    from structgen.engine.structured import StructuredOutputs
+
+
+@dataclass(slots=True)
+class _Picked:
+    """One token for `OutputProcessor.process` (greedy rows carry no logprobs)."""
+
+    token_ids: list[int]
+    logprobs: None = None
+    top_logprobs: None = None
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    num_proposed: int = 0  # proposals the target model verified
+    num_accepted: int = 0  # of those, the ones it agreed with
+    num_steps: int = 0  # steps in which some sequence speculated
+    num_picks: int = 0  # tokens picked from the logits after an accepted proposal (sampled tokens, in effect)
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        structured: StructuredOutputs,
+        tokens_left: Callable[[Sequence], int],
+        num_valid_tokens: int,
+    ) -> None:
+        self.config = config
+        self.structured = structured
+        self.tokens_left = tokens_left
+        self.num_valid_tokens = num_valid_tokens
+        self.counters = SpeculationCounters()
+        # seq_id -> (the sequence, the tokens appended to its token_ids)
+        self._proposals: dict[int, tuple[Sequence, list[int]]] = {}
+
+    # -- before the forward ------------------------------------------------------------------------------------
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Append proposals to the eligible sequences' token ids (at most `max_batch_size` decoding)."""
+        config = self.config
+        if not running or len(running) > config.max_batch_size:
+            return
+        for seq in running:
+            if not _eligible(seq):
+                continue
+            k = min(config.num_speculative_tokens, self.tokens_left(seq) - 1)
+            if k <= 0:
+                continue
+            tokens = propose_ngram(
+                seq.token_ids, k=k, max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min
+            )
+            tokens = self._allowed_prefix(seq, tokens)
+            if tokens:
+                seq.token_ids.extend(tokens)
+                self._proposals[seq.seq_id] = (seq, tokens)
+
+    def settle(self, batch: SchedulerOutput) -> dict[int, int]:
+        """{batch row: proposals} of the sequences scheduled whole; the others' proposals are taken back (a
+        sequence cut short by the token budget runs its last token alone, as a plain decode)."""
+        if not self._proposals:
+            return {}
+        spec: dict[int, int] = {}
+        rows = {seq.seq_id: row for row, seq in enumerate(batch.seqs)}
+        for seq_id, (seq, tokens) in list(self._proposals.items()):
+            row = rows.get(seq_id)
+            k = len(tokens)
+            if (
+                row is not None
+                and batch.num_new_tokens[row] == k + 1
+                and seq.status is SequenceStatus.RUNNING
+            ):
+                spec[row] = k
+                continue
+            del seq.token_ids[-k:]  # not run (preempted, no budget left) or cut short
+            del self._proposals[seq_id]
+            if row is not None:
+                batch.num_new_tokens[row] = 1
+                if seq not in batch.sample_seqs:
+                    batch.sample_seqs.append(seq)
+                    batch.sample_indices.append(row)
+        return spec
+
+    # -- after the forward -------------------------------------------------------------------------------------
+
+    def take_back(self, batch: SchedulerOutput, spec: dict[int, int]) -> dict[int, list[int]]:
+        """Remove the proposals from the token ids before the step is recorded; {row: proposals}."""
+        taken = {}
+        for row, k in spec.items():
+            seq = batch.seqs[row]
+            taken[row] = self._proposals.pop(seq.seq_id)[1]
+            del seq.token_ids[-k:]
+            batch.num_new_tokens[row] -= k
+        return taken
+
+    def verify(
+        self,
+        batch: SchedulerOutput,
+        proposals: dict[int, list[int]],
+        logits: dict[int, torch.Tensor],
+        *,
+        output_processor: OutputProcessor,
+        block_manager: BlockManager,
+        requests: dict[str, Request],
+        ended: list[tuple[Sequence, SequenceStatus]],
+    ) -> list[tuple[Sequence, SequenceStatus]]:
+        """Accept proposals while the target model's picks agree; returns the sequences that finished."""
+        finished: list[tuple[Sequence, SequenceStatus]] = []
+        done = {id(seq) for seq, _ in ended}
+        if proposals:
+            self.counters.num_steps += 1
+        for row, tokens in proposals.items():
+            seq = batch.seqs[row]
+            self.counters.num_proposed += len(tokens)
+            if id(seq) in done or seq.is_finished:
+                continue
+            rows = logits[row]
+            length = len(seq.output_token_ids)  # after the first pick, which the sampler made
+            for j, token in enumerate(tokens):
+                if seq.output_token_ids[-1] != token or len(seq.token_ids) != seq.num_computed_tokens + 1:
+                    break
+                # The pick is the proposal: its KV, written by this step's forward, stands.
+                self.counters.num_accepted += 1
+                seq.num_computed_tokens += 1
+                block_manager.commit(seq)
+                pick = self._greedy(seq, rows[j])
+                self.counters.num_picks += 1
+                ended_now = output_processor.process([seq], _Picked([pick]), requests)
+                if ended_now:
+                    finished += ended_now
+                    break
+                if len(seq.output_token_ids) != length + j + 1:
+                    break  # forced tokens followed (or the closer replaced the pick): they have no KV yet
+        return finished
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _allowed_prefix(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """The proposals up to the first one the sequence may not produce now."""
+        reasoning = seq.reasoning
+        if reasoning is not None:
+            banned = set(reasoning.banned_token_ids) | {reasoning.markers.start_token_id}
+            if reasoning.markers.end_token_id in tokens and reasoning.thinking:
+                return []  # the phase switches there: verified one token at a time
+            for i, token in enumerate(tokens):
+                if token in banned:
+                    tokens = tokens[:i]
+                    break
+        grammar = _active_grammar(seq)
+        if grammar is not None and tokens:
+            tokens = tokens[: grammar.validate_tokens(tokens)]
+        return tokens
+
+    def _greedy(self, seq: Sequence, row: torch.Tensor) -> int:
+        """The sampler's greedy pick from one row of logits: the argmax, under the reasoning bans and the mask."""
+        x = row.float().clone()
+        if self.num_valid_tokens < x.shape[0]:
+            x[self.num_valid_tokens :] = float("-inf")
+        if seq.reasoning is not None:
+            banned = [t for t in seq.reasoning.banned_token_ids if 0 <= t < x.shape[0]]
+            if banned:
+                x[banned] = float("-inf")
+        pick = int(torch.argmax(x))
+        grammar = _active_grammar(seq)
+        if grammar is None or grammar.validate_tokens((pick,)) == 1:
+            return pick  # the argmax is allowed: it is the masked argmax too
+        manager = self.structured.ensure_manager()
+        bitmask = manager.allocate_bitmask(1)
+        failures = manager.fill_bitmask([(grammar, 0)], bitmask)
+        if failures:
+            raise failures[0][1]
+        from structgen.structured.bitmask import apply_token_bitmask_
+
+        x = x.unsqueeze(0)
+        apply_token_bitmask_(x, bitmask, rows=[0])
+        return int(torch.argmax(x[0]))
+
+
+def _eligible(seq: Sequence) -> bool:
+    """Greedy decodes whose pick needs nothing but the argmax (no penalties, logprobs or pending bans)."""
+    params = seq.params
+    if params is None or seq.status is not SequenceStatus.RUNNING:
+        return False
+    if not seq.output_token_ids or seq.num_computed_tokens != len(seq.token_ids) - 1:
+        return False  # not decoding yet (a prefill, or forced tokens still to compute)
+    if not params.greedy or params.logprobs is not None or len(seq.output_token_ids) < params.min_tokens:
+        return False
+    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        return False
+    return not (seq.reasoning is not None and seq.reasoning.pending)
+
+
+def _active_grammar(seq: Sequence) -> Any:
+    request = seq.structured
+    if request is None or (seq.reasoning is not None and seq.reasoning.thinking):
+        return None
+    return request.grammar

@@ -1,0 +1,148 @@
+"""N-gram speculative decoding: greedy outputs token for token those without it (free text, under grammars, with
+reasoning, chunked by the token budget, preempted, read from the prefix cache), every block returned, and the
+proposer on its own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from engine_helpers import EngineFactory, run_all
+
+from structgen.config import EngineConfig, SpeculativeConfig
+from structgen.engine.llm_engine import LLMEngine
+from structgen.engine.ngram import propose_ngram
+from structgen.sampling_params import SamplingParams
+from structgen.structured.spec import StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "max_batch_size": 4}
+RECORDS = "Record: name Alice Johnson, city Springfield, id 4412. Record: name Bob Stone, city Shelbyville. "
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 40},
+        "id": {"type": "integer"},
+    },
+    "required": ["name", "city", "id"],
+    "additionalProperties": False,
+}
+
+
+def _requests() -> list[tuple[str, SamplingParams]]:
+    greedy = {"temperature": 0.0, "max_tokens": 48}
+    schema = StructuredOutputsParams(json=SCHEMA)
+    return [
+        (RECORDS * 3 + "Record: name Alice", SamplingParams(**greedy)),
+        (RECORDS * 2, SamplingParams(**greedy, structured_outputs=schema)),
+        ("Say something: ", SamplingParams(**greedy, stop=["\n\n"])),
+        (RECORDS + "Again: " + RECORDS, SamplingParams(**greedy, structured_outputs=schema, n=2)),
+    ]
+
+
+def _run(engine: LLMEngine, *, alone: bool = False) -> list[list[list[int]]]:
+    outputs: dict[str, Any] = {}
+    for i, (prompt, params) in enumerate(_requests()):
+        engine.add_request(f"r{i}", prompt, params)
+        if alone:
+            outputs.update(run_all(engine))
+    outputs.update(run_all(engine))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [[o.token_ids for o in outputs[f"r{i}"].outputs] for i in range(len(_requests()))]
+
+
+@pytest.fixture(scope="module")
+def without(make_engine: EngineFactory) -> list[list[list[int]]]:
+    return _run(make_engine())
+
+
+def test_the_proposer_continues_the_latest_earlier_match() -> None:
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], k=3, max_n=3) == [4, 5, 1]
+    assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], k=2, max_n=2) == [7, 1]  # the latest occurrence
+    assert propose_ngram([5, 6, 7], k=2, max_n=3) == []
+    assert propose_ngram([1, 2, 3, 1, 2], k=5, max_n=2) == [3, 1, 2]  # stops at the end of the sequence
+    # Ids whose 4-byte words overlap a match at an unaligned offset are not matches.
+    assert propose_ngram([256, 1, 0, 256], k=1, max_n=1) == [1]
+    assert propose_ngram([1, 2, 3, 9, 2, 3], k=1, max_n=2, min_n=2) == [9]
+    assert propose_ngram([1, 2, 3, 9, 8, 3], k=1, max_n=2, min_n=2) == []
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {},
+        {"max_num_batched_tokens": 12},  # a step's budget cuts some proposals short
+        {"kv_cache_tokens": 128},  # preemption
+        {"enable_prefix_caching": False},
+    ],
+)
+def test_greedy_outputs_equal_those_without_speculation(
+    make_engine: EngineFactory, without: list[list[list[int]]], setting: dict[str, Any]
+) -> None:
+    engine = make_engine(speculative_config=SPEC, **setting)
+    assert _run(engine) == without
+    stats = engine.stats()
+    assert stats.num_spec_proposed_tokens > 0
+    assert 0 < stats.num_spec_accepted_tokens <= stats.num_spec_proposed_tokens
+    if "kv_cache_tokens" in setting:
+        assert stats.num_preemptions > 0
+
+
+def test_alone_and_after_a_prefix_cache_hit(
+    make_engine: EngineFactory, without: list[list[list[int]]]
+) -> None:
+    engine = make_engine(speculative_config={**SPEC, "max_batch_size": 1})
+    assert _run(engine, alone=True) == without
+    assert _run(engine, alone=True) == without  # the prompts now come from the prefix cache
+    assert engine.stats().prefix_cache_hit_tokens > 0
+
+
+def test_structured_outputs_stay_valid_and_count_as_sampled(make_engine: EngineFactory) -> None:
+    engine = make_engine(speculative_config=SPEC)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    engine.add_request("r", RECORDS * 4, params)
+    output = run_all(engine)["r"].outputs[0]
+    assert output.finish_reason == "stop" and output.structured.valid
+    assert set(json.loads(output.text)) == {"name", "city", "id"}
+    stats = engine.stats()
+    forced = output.structured.forced_tokens
+    assert stats.num_generated_tokens == len(output.token_ids) - forced
+
+
+def test_a_grammar_that_rejects_every_proposal_still_progresses(make_engine: EngineFactory) -> None:
+    engine = make_engine(speculative_config=SPEC)
+    # The prompt repeats tokens a digits-only grammar never takes: every proposal is cut to nothing.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{20}")
+    )
+    engine.add_request("r", "abc abc abc abc abc abc", params)
+    output = run_all(engine)["r"].outputs[0]
+    assert len(output.text) == 20 and output.text.isdigit()
+
+
+def test_sampled_requests_do_not_speculate(make_engine: EngineFactory) -> None:
+    engine = make_engine(speculative_config=SPEC)
+    engine.add_request("r", RECORDS * 3, SamplingParams(temperature=1.0, seed=1, max_tokens=16))
+    run_all(engine)
+    assert engine.stats().num_spec_proposed_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "draft_model"}, "not supported"),
+        ({"num_speculative_tokens": 16}, "num_speculative_tokens must be in 1..15"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"bogus": 1}, "unknown speculative config keys"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_configs_are_refused(config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)
+    assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == SpeculativeConfig()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(speculative_config=SPEC, tensor_parallel_size=2)
