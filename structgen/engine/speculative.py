@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from structgen.engine.ngram import propose_ngram
+from structgen.engine.ngram import ngram_candidates
 from structgen.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from structgen.engine.scheduler import SchedulerOutput
     from structgen.engine.sequence import Request
     from structgen.engine.structured import StructuredOutputs
+
+
+# Continuations tried per sequence and step until one passes its grammar (each costs one `validate_tokens`).
+_MAX_CANDIDATES = 8
 
 
 @dataclass(slots=True)
@@ -81,20 +85,25 @@ class Speculator:
         for seq in running:
             if not _eligible(seq):
                 continue
-            k = min(config.num_speculative_tokens, self.tokens_left(seq) - 1)
+            # Tokens already waiting for their KV (a grammar's forced run) ride in the same rows: the sequence
+            # runs at most `1 + num_speculative_tokens` new tokens a step.
+            pending = len(seq.token_ids) - seq.num_computed_tokens
+            k = min(config.num_speculative_tokens + 1 - pending, self.tokens_left(seq) - 1)
             if k <= 0:
                 continue
-            tokens = propose_ngram(
+            candidates = ngram_candidates(
                 seq.token_ids, k=k, max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min
             )
-            tokens = self._allowed_prefix(seq, tokens)
-            if tokens:
-                seq.token_ids.extend(tokens)
-                self._proposals[seq.seq_id] = (seq, tokens)
+            for _, candidate in zip(range(_MAX_CANDIDATES), candidates, strict=False):
+                tokens = self._allowed_prefix(seq, candidate)
+                if tokens:
+                    seq.token_ids.extend(tokens)
+                    self._proposals[seq.seq_id] = (seq, tokens)
+                    break
 
     def settle(self, batch: SchedulerOutput) -> dict[int, int]:
         """{batch row: proposals} of the sequences scheduled whole; the others' proposals are taken back (a
-        sequence cut short by the token budget runs its last token alone, as a plain decode)."""
+        sequence cut short by the token budget runs what it had before them, as without speculation)."""
         if not self._proposals:
             return {}
         spec: dict[int, int] = {}
@@ -102,9 +111,10 @@ class Speculator:
         for seq_id, (seq, tokens) in list(self._proposals.items()):
             row = rows.get(seq_id)
             k = len(tokens)
+            whole = len(seq.token_ids) - seq.num_computed_tokens
             if (
                 row is not None
-                and batch.num_new_tokens[row] == k + 1
+                and batch.num_new_tokens[row] == whole
                 and seq.status is SequenceStatus.RUNNING
             ):
                 spec[row] = k
@@ -112,8 +122,9 @@ class Speculator:
             del seq.token_ids[-k:]  # not run (preempted, no budget left) or cut short
             del self._proposals[seq_id]
             if row is not None:
-                batch.num_new_tokens[row] = 1
-                if seq not in batch.sample_seqs:
+                num_new = min(batch.num_new_tokens[row], len(seq.token_ids) - seq.num_computed_tokens)
+                batch.num_new_tokens[row] = num_new
+                if seq.num_computed_tokens + num_new == len(seq.token_ids) and seq not in batch.sample_seqs:
                     batch.sample_seqs.append(seq)
                     batch.sample_indices.append(row)
         return spec
@@ -218,8 +229,8 @@ def _eligible(seq: Sequence) -> bool:
     params = seq.params
     if params is None or seq.status is not SequenceStatus.RUNNING:
         return False
-    if not seq.output_token_ids or seq.num_computed_tokens != len(seq.token_ids) - 1:
-        return False  # not decoding yet (a prefill, or forced tokens still to compute)
+    if not seq.output_token_ids or seq.num_computed_tokens < seq.num_prompt_tokens:
+        return False  # not decoding yet (its prompt, or part of it, still to compute)
     if not params.greedy or params.logprobs is not None or len(seq.output_token_ids) < params.min_tokens:
         return False
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:

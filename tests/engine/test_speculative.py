@@ -146,3 +146,40 @@ def test_bad_configs_are_refused(config: Any, message: str) -> None:
     assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == SpeculativeConfig()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(speculative_config=SPEC, tensor_parallel_size=2)
+
+
+ITEMS = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 6,
+            "items": {
+                "type": "object",
+                "properties": {"key": {"type": "string", "maxLength": 3}, "flag": {"type": "boolean"}},
+                "required": ["key", "flag"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("budget", [2048, 6])
+def test_proposals_after_a_forced_run_ride_with_it(make_engine: EngineFactory, budget: int) -> None:
+    """Each item's forced `},{"key":"` waits for its KV when the next proposals come: both run in one step (or,
+    with a step budget too small for them, the proposals are taken back)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=ITEMS)
+    )
+    outputs = []
+    for spec in (None, SPEC):
+        engine = make_engine(speculative_config=spec, max_num_batched_tokens=budget)
+        engine.add_request("r", "List: " * 5, params)
+        outputs.append(run_all(engine)["r"].outputs[0].token_ids)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert outputs[0] == outputs[1]
+    assert engine.stats().num_spec_accepted_tokens > 0
