@@ -19,6 +19,7 @@ several rows, see BENCHMARKS.md).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,8 +126,10 @@ class Speculator:
                 num_new = min(batch.num_new_tokens[row], len(seq.token_ids) - seq.num_computed_tokens)
                 batch.num_new_tokens[row] = num_new
                 if seq.num_computed_tokens + num_new == len(seq.token_ids) and seq not in batch.sample_seqs:
-                    batch.sample_seqs.append(seq)
-                    batch.sample_indices.append(row)
+                    # Sampling rows stay in batch order: the runner's logits follow it.
+                    at = bisect.bisect(batch.sample_indices, row)
+                    batch.sample_seqs.insert(at, seq)
+                    batch.sample_indices.insert(at, row)
         return spec
 
     # -- after the forward -------------------------------------------------------------------------------------

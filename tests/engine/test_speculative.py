@@ -72,7 +72,7 @@ def test_the_proposer_continues_the_latest_earlier_match() -> None:
     "setting",
     [
         {},
-        {"max_num_batched_tokens": 12},  # a step's budget cuts some proposals short
+        {"max_num_batched_tokens": 8},  # a step's budget cuts some proposals short (taken back)
         {"kv_cache_tokens": 128},  # preemption
         {"enable_prefix_caching": False},
     ],
