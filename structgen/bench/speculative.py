@@ -113,7 +113,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for load, concurrency in loads.items():
             batch = requests if concurrency > 1 else requests[: args.single_requests]
             if concurrency == 32:
-                batch = (requests * (-(-64 // len(requests))))[:64]
+                size = args.wide_requests
+                batch = (requests * (-(-size // len(requests))))[:size]
                 batch = [type(r)(f"{r.id}-{i}", r.schema, r.messages) for i, r in enumerate(batch)]
             sides = {side: Side() for side in SIDES}
             for p in range(args.passes):
@@ -154,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max (default %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=1, help="speculate up to this many decoding")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--wide-requests", type=int, default=64, help="requests of the 32-in-flight load")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", type=Path, default=None)
