@@ -156,6 +156,7 @@ class LLMEngine:
                 structured=self.structured,
                 tokens_left=self.output_processor.tokens_left,
                 num_valid_tokens=self.runner.num_valid_tokens,
+                tokenizer=tokenizer,
             )
             if config.speculative_config is not None
             else None

@@ -28,6 +28,8 @@ import torch
 
 from structgen.engine.ngram import ngram_candidates
 from structgen.engine.sequence import Sequence, SequenceStatus
+from structgen.engine.text_lookup import TextLookup
+from structgen.structured.json_scan import STRING
 
 if TYPE_CHECKING:
     from structgen.config import SpeculativeConfig
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 
 # Continuations tried per sequence and step until one passes its grammar (each costs one `validate_tokens`).
 _MAX_CANDIDATES = 8
+# Output tokens whose text the text lookup matches against the prompt's.
+_TAIL_TOKENS = 12
 
 
 @dataclass(slots=True)
@@ -67,8 +71,16 @@ class Speculator:
         structured: StructuredOutputs,
         tokens_left: Callable[[Sequence], int],
         num_valid_tokens: int,
+        tokenizer: Any = None,
     ) -> None:
         self.config = config
+        self.tokenizer = tokenizer
+        self.text_lookup = (
+            TextLookup.build(lambda text: tokenizer.encode(text, add_special_tokens=False))
+            if tokenizer is not None
+            else None
+        )
+        self._prompt_texts: dict[int, str] = {}  # seq_id -> its prompt's text, while it runs
         self.structured = structured
         self.tokens_left = tokens_left
         self.num_valid_tokens = num_valid_tokens
@@ -83,6 +95,9 @@ class Speculator:
         config = self.config
         if not running or len(running) > config.max_batch_size:
             return
+        if len(self._prompt_texts) > 4 * config.max_batch_size:  # forget the sequences no longer running
+            live = {seq.seq_id for seq in running}
+            self._prompt_texts = {i: t for i, t in self._prompt_texts.items() if i in live}
         for seq in running:
             if not _eligible(seq):
                 continue
@@ -92,15 +107,18 @@ class Speculator:
             k = min(config.num_speculative_tokens + 1 - pending, self.tokens_left(seq) - 1)
             if k <= 0:
                 continue
-            candidates = ngram_candidates(
-                seq.token_ids, k=k, max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min
-            )
-            for _, candidate in zip(range(_MAX_CANDIDATES), candidates, strict=False):
-                tokens = self._allowed_prefix(seq, candidate)
-                if tokens:
-                    seq.token_ids.extend(tokens)
-                    self._proposals[seq.seq_id] = (seq, tokens)
-                    break
+            tokens = self._from_text(seq, k)
+            if not tokens:
+                candidates = ngram_candidates(
+                    seq.token_ids, k=k, max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min
+                )
+                for _, candidate in zip(range(_MAX_CANDIDATES), candidates, strict=False):
+                    tokens = self._allowed_prefix(seq, candidate)
+                    if tokens:
+                        break
+            if tokens:
+                seq.token_ids.extend(tokens)
+                self._proposals[seq.seq_id] = (seq, tokens)
 
     def settle(self, batch: SchedulerOutput) -> dict[int, int]:
         """{batch row: proposals} of the sequences scheduled whole; the others' proposals are taken back (a
@@ -185,6 +203,26 @@ class Speculator:
         return finished
 
     # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _from_text(self, seq: Sequence, k: int) -> list[int]:
+        """The text lookup's proposal (`text_lookup.py`), closed by the string closing its grammar takes."""
+        lookup = self.text_lookup
+        if lookup is None:
+            return []
+        prompt_text = self._prompt_texts.get(seq.seq_id)
+        if prompt_text is None:
+            prompt_text = self._prompt_texts[seq.seq_id] = self.tokenizer.decode(seq.prompt_token_ids)
+        tail = self.tokenizer.decode(seq.output_token_ids[-_TAIL_TOKENS:])
+        in_string = seq.structured is not None and seq.structured.position == STRING
+        tokens, closes = lookup.propose(prompt_text, tail, k=k, in_string=in_string)
+        if not closes:
+            return self._allowed_prefix(seq, tokens)
+        best: list[int] = []
+        for closing in lookup.closings:
+            allowed = self._allowed_prefix(seq, (tokens + list(closing))[:k])
+            if len(allowed) > len(best):
+                best = allowed
+        return best
 
     def _allowed_prefix(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """The proposals up to the first one the sequence may not produce now."""
