@@ -1,14 +1,15 @@
 """`structgen bench speculative`: n-gram speculative decoding on structured extraction, off vs on (issue 20).
 
 One loaded model, two engines sharing it: one without speculation, one with `--speculative-config` (n-gram
-prompt lookup). The workload is the extraction set of `bench completion` (meetings, contacts, orders: answers
-that copy names, dates and products from the prompt) under each request's JSON schema, greedy, `--max-tokens`.
-Three loads, each run on both engines in alternating order (off, on, then on, off, ...): single stream (the
-requests one after another), `--concurrency` in flight, and 32 in flight (where speculation must switch itself
-off or at least never slow the batch). Reported per load: output tokens/s both sides, the speed-up, the
-acceptance rate (accepted / proposed), and whether every output is token for token the same.
+prompt lookup). Two workloads, under each request's JSON schema, greedy, `--max-tokens`: the extraction set of
+`bench completion` (meetings, contacts, orders: short values copied from the prompt) and support tickets
+(`ticket_workload.py`: order numbers, addresses, product names and sentences copied whole). Loads, each run on
+both engines in alternating order (off, on, then on, off, ...): single stream (the requests one after
+another), `--concurrency` in flight, and 32 in flight (where speculation must switch itself off, or at least
+never slow the batch). Reported per load: output tokens/s both sides, the speed-up, the acceptance rate
+(accepted / proposed), and whether every output is token for token the same.
 
-    structgen bench speculative [--model smollm2-135m] [--requests 12] [--max-tokens 128] [-k 3]
+    structgen bench speculative [--model smollm2-135m] [--requests 12] [--max-tokens 128] [-k 5]
         [--concurrency 8] [--passes 2] [--json OUT]
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from structgen.bench.extraction_workload import extraction_requests
+from structgen.bench.ticket_workload import ticket_requests
 
 SIDES = ("off", "ngram")
 
@@ -105,17 +107,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         zip(SIDES, make_engines(args.model, spec, max_num_seqs=max(32, args.concurrency)), strict=True)
     )
     requests = extraction_requests(args.requests, seed=7)
-    loads = {"single": 1, f"concurrent-{args.concurrency}": args.concurrency, "concurrent-32": 32}
+    tickets = ticket_requests(args.requests, seed=7)
+    wide = (requests * (-(-args.wide_requests // len(requests))))[: args.wide_requests]
+    wide = [type(r)(f"{r.id}-{i}", r.schema, r.messages) for i, r in enumerate(wide)]
+    loads = {  # name: (requests, in flight)
+        "extraction single": (requests[: args.single_requests], 1),
+        "tickets single": (tickets[: args.single_requests], 1),
+        f"extraction concurrent-{args.concurrency}": (requests, args.concurrency),
+        f"tickets concurrent-{args.concurrency}": (tickets, args.concurrency),
+        "extraction concurrent-32": (wide, 32),
+    }
     results: dict[str, Any] = {}
     try:
         for engine in engines.values():  # warm-up: compiles, allocator
-            run_load(engine, requests[:3], Side(), concurrency=3, max_tokens=args.max_tokens, tag="warm")
-        for load, concurrency in loads.items():
-            batch = requests if concurrency > 1 else requests[: args.single_requests]
-            if concurrency == 32:
-                size = args.wide_requests
-                batch = (requests * (-(-size // len(requests))))[:size]
-                batch = [type(r)(f"{r.id}-{i}", r.schema, r.messages) for i, r in enumerate(batch)]
+            for warm in (requests[:3], tickets[:1]):
+                run_load(engine, warm, Side(), concurrency=3, max_tokens=args.max_tokens, tag="warm")
+        for load, (batch, concurrency) in loads.items():
             sides = {side: Side() for side in SIDES}
             for p in range(args.passes):
                 order = SIDES if p % 2 == 0 else SIDES[::-1]
@@ -126,7 +133,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         sides[side],
                         concurrency=concurrency,
                         max_tokens=args.max_tokens,
-                        tag=f"{load}{p}",
+                        tag=f"{load.replace(' ', '_')}{p}",
                     )
             off, on = sides["off"], sides["ngram"]
             same = sum(off.outputs[key] == on.outputs.get(key) for key in off.outputs)
@@ -151,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=12, help="extraction requests per concurrent load")
     ap.add_argument("--single-requests", type=int, default=6, help="of those, run single stream")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("-k", type=int, default=3, help="num_speculative_tokens (default %(default)s)")
+    ap.add_argument("-k", type=int, default=5, help="num_speculative_tokens (default %(default)s)")
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max (default %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=1, help="speculate up to this many decoding")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -166,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     result = measure(args)
     print(
-        f"{'load':16} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept':>7} {'identical':>10}"
+        f"{'load':26} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept':>7} {'identical':>10}"
     )
     for load, r in result["loads"].items():
         print(
-            f"{load:16} {r['off_tok_s']:10} {r['ngram_tok_s']:12} {r['speedup']:9} {r['acceptance']:7} "
+            f"{load:26} {r['off_tok_s']:10} {r['ngram_tok_s']:12} {r['speedup']:9} {r['acceptance']:7} "
             f"{r['identical']:>10}"
         )
     print(json.dumps(result, indent=2))

@@ -102,7 +102,8 @@ class Speculator:
             if not _eligible(seq):
                 continue
             # Tokens already waiting for their KV (a grammar's forced run) ride in the same rows: the sequence
-            # runs at most `1 + num_speculative_tokens` new tokens a step.
+            # runs at most `1 + num_speculative_tokens` new tokens a step (more rows cost more than they gave:
+            # BENCHMARKS.md).
             pending = len(seq.token_ids) - seq.num_computed_tokens
             k = min(config.num_speculative_tokens + 1 - pending, self.tokens_left(seq) - 1)
             if k <= 0:

@@ -89,6 +89,10 @@ def prepare_cpu_linears(model: nn.Module) -> int:
 # SmolLM2's layers ~0.5x torch's int4 kernel's time at 1 row and ~0.8x AMX's at 4, slower than AMX from 5 rows on
 # (its products grow with the rows; AMX's tiles cost the same for 1-32 rows). BENCHMARKS.md, session 6.
 GEMV_MAX_ROWS = 4
+# Where no AMX kernel takes the larger batches, the GEMV keeps them longer: on a 2-core AMD EPYC (AVX512-VNNI, no
+# AMX) SmolLM2's 121 products took (ms, GEMV / bf16) 4.1 / 10.2 at 5 rows, 6.1 / 10.0 at 8, 10.0 / 11.3 at 12 and
+# 12.9 / 12.0 at 16 (2026-12-02, BENCHMARKS.md "Speculative decoding").
+GEMV_MAX_ROWS_WITHOUT_AMX = 12
 # Without the GEMV, batches up to this many rows go through torch's int4 kernel: on SmolLM2's shapes it is ~2x
 # faster than bf16 at 1 row (decode reads the weights once per step, and int4 reads 4x fewer bytes) and even at
 # 4 rows, and slower from 8 on, where the bf16 products amortize their reads over more rows.
@@ -169,6 +173,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     else:
         packed = {name: v.pack() for name, v in values.items() if name not in with_gemv}
     amx = packed_woq if cpu_woq.amx_available() else {}
+    gemv_rows = GEMV_MAX_ROWS if amx else GEMV_MAX_ROWS_WITHOUT_AMX
     count = 0
     for name, module in layers:
         if name in packed or name in packed_woq:
@@ -178,13 +183,14 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
                 woq=amx.get(name),
                 dense=dense[name],
                 weight=module.weight,
+                gemv_rows=gemv_rows,
             )
             count += 1
     logger.info(
         "quantized kernels on %d layers: VNNI GEMV for <= %d rows on %d, torch int4 for <= %d on %d, "
         "AMX for <= %d on %d",
         count,
-        GEMV_MAX_ROWS,
+        gemv_rows,
         len(with_gemv),
         INT4_MAX_ROWS,
         len(packed),

@@ -13,7 +13,7 @@ def test_a_small_run_reports_every_load(tmp_path: Path) -> None:
     args = ["--model", "tiny", "--requests", "3", "--single-requests", "1", "--wide-requests", "4"]
     assert main([*args, "--max-tokens", "12", "--passes", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["loads"]) == {"single", "concurrent-8", "concurrent-32"}
+    assert len(result["loads"]) == 5 and "tickets single" in result["loads"]
     for load in result["loads"].values():
         assert load["off_tok_s"] > 0 and load["ngram_tok_s"] > 0
         same, total = map(int, load["identical"].split("/"))
