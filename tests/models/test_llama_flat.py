@@ -44,10 +44,16 @@ def test_flat_forward_is_not_set_where_it_does_not_apply(architecture: str, reas
 
 
 def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
-    """Pure decode steps of <= 4 rows run all layers in one native call; the same kernels, the same bits."""
+    """Pure decode steps of few rows (up to the GEMV's) run all layers in one native call; the same kernels, the
+    same bits."""
     from structgen.kernels import cpu_woq
 
-    from structgen.models.cpu_linear import attach_int4, prepare_cpu_linears
+    from structgen.models.cpu_linear import (
+        GEMV_MAX_ROWS,
+        GEMV_MAX_ROWS_WITHOUT_AMX,
+        attach_int4,
+        prepare_cpu_linears,
+    )
 
     model = random_structgen_model(dtype=torch.bfloat16)
     prepare_cpu_linears(model)
@@ -58,7 +64,8 @@ def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
         assert flat.native_decode is None  # no GEMV kernels, no native step
         return
     native = flat.native_decode
-    assert native is not None and native.max_rows == 4
+    rows = GEMV_MAX_ROWS if cpu_woq.amx_available() else GEMV_MAX_ROWS_WITHOUT_AMX
+    assert native is not None and native.max_rows == rows
     calls: list[int] = []
 
     class Counted:
