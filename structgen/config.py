@@ -50,15 +50,16 @@ MAX_SPECULATIVE_TOKENS = 15
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's terms (`--speculative-config '{"method": "ngram", ...}'`).
 
-    `ngram`: prompt lookup (`structgen.engine.ngram`), proposing `num_speculative_tokens` tokens after the
-    longest suffix n-gram (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence. Greedy
+    `ngram`: prompt lookup, proposing up to `num_speculative_tokens` tokens: what follows the output's recent
+    text in the prompt's text (`structgen.engine.text_lookup`), else what followed the longest suffix n-gram
+    (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence (`structgen.engine.ngram`). Greedy
     requests speculate; the target model verifies every proposal, so outputs are those without speculation.
     Speculation stays off in a step with more than `max_batch_size` sequences decoding, where the extra rows
     would cost the batch more than the saved steps give back (on 2 CPU cores: see BENCHMARKS.md).
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     max_batch_size: int = 1

@@ -80,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_max": 4}\' (greedy requests; outputs unchanged; default: off)',
     )
     parser.add_argument(
