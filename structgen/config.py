@@ -52,8 +52,9 @@ class SpeculativeConfig:
 
     `ngram`: prompt lookup, proposing up to `num_speculative_tokens` tokens: what follows the output's recent
     text in the prompt's text (`structgen.engine.text_lookup`), else what followed the longest suffix n-gram
-    (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence (`structgen.engine.ngram`). Greedy
-    requests speculate; the target model verifies every proposal, so outputs are those without speculation.
+    (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence (`structgen.engine.ngram`). The
+    target model verifies every proposal: greedy outputs are those without speculation, sampled ones keep their
+    distribution (`structgen.engine.speculative`).
     Speculation stays off in a step with more than `max_batch_size` sequences decoding, where the extra rows
     would cost the batch more than the saved steps give back (on 2 CPU cores: see BENCHMARKS.md).
     """

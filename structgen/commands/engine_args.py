@@ -81,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 4}\' (greedy requests; outputs unchanged; default: off)',
+        '"prompt_lookup_max": 4}\' (greedy outputs unchanged, sampled ones keep their distribution; default: off)',
     )
     parser.add_argument(
         "--max-tokens-default",

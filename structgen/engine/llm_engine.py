@@ -156,6 +156,9 @@ class LLMEngine:
                 structured=self.structured,
                 tokens_left=self.output_processor.tokens_left,
                 num_valid_tokens=self.runner.num_valid_tokens,
+                # (late-bound: tests wrap the runner's sampler)
+                sample=lambda logits, rows: self.runner.sampler(logits, rows),
+                eos_token_ids=self.eos_token_ids,
                 tokenizer=tokenizer,
             )
             if config.speculative_config is not None

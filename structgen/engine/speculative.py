@@ -9,12 +9,15 @@ cut by the step's token budget). After the forward, `take_back` removes them aga
 the step, so the KV counted and the blocks offered to the prefix cache hold accepted tokens only.
 
 The token after `last` is sampled as any other (the same mask, the same sampler); while the token just appended
-equals the next proposal, that proposal's KV is valid and the logits after it pick the next token, greedily
-under the grammar's mask, through the same output processor (stop rules, jump-forward, reasoning, closing).
-Verification stops at the first difference, or where the output processor appended more than the token (the
-grammar forced tokens: jump-forward first, speculation for the rest). Greedy requests only: their pick is the
-argmax either way, so outputs are exactly those without speculation (up to the float rounding of a batch of
-several rows, see BENCHMARKS.md).
+equals the next proposal, that proposal's KV is valid and the logits after it pick the next token the same way
+(reasoning bans, the grammar's mask, the request's own sampling: its generator, penalties, logprobs), through
+the same output processor (stop rules, jump-forward, reasoning, closing). Verification stops at the first
+difference, or where the output processor appended more than the token (the grammar forced tokens:
+jump-forward first, speculation for the rest). A greedy pick is the argmax either way, so greedy outputs are
+exactly those without speculation (up to the float rounding of a step of several rows); a sampled pick is a
+draw from the request's distribution that keeps the proposal only when it equals it, which for a proposal that
+is one token for sure is rejection sampling: the outputs are distributed as without speculation (a seeded
+request's differ, its draws coming in another order).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from structgen.engine.ngram import ngram_candidates
+from structgen.engine.sampler import SamplerError, SamplingRow
 from structgen.engine.sequence import Sequence, SequenceStatus
 from structgen.engine.text_lookup import TextLookup
+from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.json_scan import STRING
 
 if TYPE_CHECKING:
@@ -71,9 +76,13 @@ class Speculator:
         structured: StructuredOutputs,
         tokens_left: Callable[[Sequence], int],
         num_valid_tokens: int,
+        sample: Callable[[torch.Tensor, list[SamplingRow]], Any],
+        eos_token_ids: frozenset[int] = frozenset(),
         tokenizer: Any = None,
     ) -> None:
         self.config = config
+        self.sample = sample  # the engine's sampler: (logits [rows, vocab], rows) -> SamplerOutput
+        self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.text_lookup = (
             TextLookup.build(lambda text: tokenizer.encode(text, add_special_tokens=False))
@@ -189,13 +198,16 @@ class Speculator:
             for j, token in enumerate(tokens):
                 if seq.output_token_ids[-1] != token or len(seq.token_ids) != seq.num_computed_tokens + 1:
                     break
-                # The pick is the proposal: its KV, written by this step's forward, stands.
+                try:
+                    picked = self._pick(seq, rows[j])
+                except SamplerError:  # no token possible there: the next step samples it from its own row
+                    break
+                # The pick before was the proposal: its KV, written by this step's forward, stands.
                 self.counters.num_accepted += 1
                 seq.num_computed_tokens += 1
                 block_manager.commit(seq)
-                pick = self._greedy(seq, rows[j])
                 self.counters.num_picks += 1
-                ended_now = output_processor.process([seq], _Picked([pick]), requests)
+                ended_now = output_processor.process([seq], picked, requests)
                 if ended_now:
                     finished += ended_now
                     break
@@ -241,42 +253,61 @@ class Speculator:
             tokens = tokens[: grammar.validate_tokens(tokens)]
         return tokens
 
-    def _greedy(self, seq: Sequence, row: torch.Tensor) -> int:
-        """The sampler's greedy pick from one row of logits: the argmax, under the reasoning bans and the mask."""
-        x = row.float().clone()
-        if self.num_valid_tokens < x.shape[0]:
-            x[self.num_valid_tokens :] = float("-inf")
+    def _pick(self, seq: Sequence, row: torch.Tensor) -> Any:
+        """The sampler's pick from one row of logits, as the step's own row would be picked: the reasoning bans,
+        the grammar's mask, then the request's own sampling (its generator, penalties, logprobs). A greedy row
+        whose argmax the grammar allows takes it without filling the mask (it is the masked argmax too)."""
+        x = row.float().unsqueeze(0).clone()
+        vocab = x.shape[1]
+        if self.num_valid_tokens < vocab:
+            x[0, self.num_valid_tokens :] = float("-inf")
         if seq.reasoning is not None:
-            banned = [t for t in seq.reasoning.banned_token_ids if 0 <= t < x.shape[0]]
+            banned = [t for t in seq.reasoning.banned_token_ids if 0 <= t < vocab]
             if banned:
-                x[banned] = float("-inf")
-        pick = int(torch.argmax(x))
+                x[0, banned] = float("-inf")
+        params = seq.params
+        plain = params.greedy and params.logprobs is None and not _history_matters(seq)
         grammar = _active_grammar(seq)
-        if grammar is None or grammar.validate_tokens((pick,)) == 1:
-            return pick  # the argmax is allowed: it is the masked argmax too
-        manager = self.structured.ensure_manager()
-        bitmask = manager.allocate_bitmask(1)
-        failures = manager.fill_bitmask([(grammar, 0)], bitmask)
-        if failures:
-            raise failures[0][1]
-        from structgen.structured.bitmask import apply_token_bitmask_
+        if plain:
+            pick = int(torch.argmax(x[0]))
+            if grammar is None or grammar.validate_tokens((pick,)) == 1:
+                return _Picked([pick])
+        if grammar is not None:
+            manager = self.structured.ensure_manager()
+            bitmask = manager.allocate_bitmask(1)
+            failures = manager.fill_bitmask([(grammar, 0)], bitmask)
+            if failures:
+                raise failures[0][1]
+            apply_token_bitmask_(x, bitmask, rows=[0])
+        if plain:
+            return _Picked([int(torch.argmax(x[0]))])
+        sampling_row = SamplingRow(
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=seq.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
+        return self.sample(x, [sampling_row])
 
-        x = x.unsqueeze(0)
-        apply_token_bitmask_(x, bitmask, rows=[0])
-        return int(torch.argmax(x[0]))
+
+def _history_matters(seq: Sequence) -> bool:
+    """Penalties or a pending min_tokens ban: the pick depends on the output so far, as the sampler applies."""
+    params = seq.params
+    return (
+        params.repetition_penalty != 1.0
+        or bool(params.frequency_penalty)
+        or bool(params.presence_penalty)
+        or len(seq.output_token_ids) < params.min_tokens
+    )
 
 
 def _eligible(seq: Sequence) -> bool:
-    """Greedy decodes whose pick needs nothing but the argmax (no penalties, logprobs or pending bans)."""
-    params = seq.params
-    if params is None or seq.status is not SequenceStatus.RUNNING:
+    """Decoding sequences (greedy or sampled) whose first token is not a reasoning model's choice to reason."""
+    if seq.params is None or seq.status is not SequenceStatus.RUNNING:
         return False
     if not seq.output_token_ids or seq.num_computed_tokens < seq.num_prompt_tokens:
         return False  # not decoding yet (its prompt, or part of it, still to compute)
-    if not params.greedy or params.logprobs is not None or len(seq.output_token_ids) < params.min_tokens:
-        return False
-    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-        return False
     return not (seq.reasoning is not None and seq.reasoning.pending)
 
 
