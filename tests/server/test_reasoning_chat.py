@@ -45,27 +45,15 @@ MARKERS = ("<think>", "</think>")
 NO_THINKING = {"enable_thinking": False}
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    async_engine = tiny_thinking_engine("deepseek_r1")
-    yield async_engine
-    async_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def app(engine: AsyncEngine) -> Any:
-    return build_app(engine, engine.engine.tokenizer, model_name="tiny-thinking", api_key=KEY)
-
-
-def chat(app: Any, body: dict[str, Any]) -> dict[str, Any]:
-    response = call(app, "POST", CHAT, json=body)
+def chat(thinking_app: Any, body: dict[str, Any]) -> dict[str, Any]:
+    response = call(thinking_app, "POST", CHAT, json=body)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def streamed(app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+def streamed(thinking_app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
     options = {"stream": True, "stream_options": {"include_usage": True}}
-    return sse_events(call(app, "POST", CHAT, json=body | options))
+    return sse_events(call(thinking_app, "POST", CHAT, json=body | options))
 
 
 def assert_no_markers(*texts: str | None) -> None:
@@ -119,8 +107,10 @@ def reasoning_tokens(body: dict[str, Any]) -> int:
 
 
 @pytest.mark.parametrize("seed", [3, 5, 8])
-def test_the_answer_validates_after_the_budget_and_the_reasoning_stays_apart(app: Any, seed: int) -> None:
-    body = chat(app, SHAPED | {"n": 2, "seed": seed})
+def test_the_answer_validates_after_the_budget_and_the_reasoning_stays_apart(
+    thinking_app: Any, seed: int
+) -> None:
+    body = chat(thinking_app, SHAPED | {"n": 2, "seed": seed})
     for choice in body["choices"]:
         message = choice["message"]
         jsonschema.validate(json.loads(message["content"]), SCHEMA)
@@ -135,10 +125,10 @@ def test_the_answer_validates_after_the_budget_and_the_reasoning_stays_apart(app
     assert body["usage"]["completion_tokens"] > reasoning_tokens(body)
 
 
-def test_streamed_deltas_add_up_to_the_plain_answer(app: Any) -> None:
+def test_streamed_deltas_add_up_to_the_plain_answer(thinking_app: Any) -> None:
     body = SHAPED | {"n": 2, "seed": 21, "logprobs": True}
-    plain = chat(app, body)
-    chunks = streamed(app, body)
+    plain = chat(thinking_app, body)
+    chunks = streamed(thinking_app, body)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
     for streamed_choice, choice in zip(joined(chunks[:-1], 2), plain["choices"], strict=True):
         message = choice["message"]
@@ -154,7 +144,7 @@ def test_streamed_deltas_add_up_to_the_plain_answer(app: Any) -> None:
         assert streamed_choice["thinking_logprobs"] == BUDGET + 1
 
 
-def test_tool_calls_come_from_the_answer_after_the_reasoning(app: Any) -> None:
+def test_tool_calls_come_from_the_answer_after_the_reasoning(thinking_app: Any) -> None:
     body = {
         "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
         "tools": TOOLS,
@@ -166,8 +156,8 @@ def test_tool_calls_come_from_the_answer_after_the_reasoning(app: Any) -> None:
     }
     # The tools make the prompt long enough to hit the prefix cache from the second request on, which changes
     # the logits' rounding and so a seeded sample of this flat random model: the first request only warms it.
-    chat(app, body)
-    plain = chat(app, body)
+    chat(thinking_app, body)
+    plain = chat(thinking_app, body)
     (choice,) = plain["choices"]
     message = choice["message"]
     assert choice["finish_reason"] == "tool_calls" and message["tool_calls"]
@@ -179,7 +169,7 @@ def test_tool_calls_come_from_the_answer_after_the_reasoning(app: Any) -> None:
     assert_no_markers(message["content"], message["reasoning"])
     assert reasoning_tokens(plain) == 8 + 1
 
-    chunks = streamed(app, body)
+    chunks = streamed(thinking_app, body)
     (streamed_choice,) = joined(chunks[:-1], 1)
     assert streamed_choice["reasoning"] == message["reasoning"]
     assert streamed_choice["finish_reason"] == "tool_calls"
@@ -192,9 +182,9 @@ def test_tool_calls_come_from_the_answer_after_the_reasoning(app: Any) -> None:
     assert arguments == "".join(c["function"]["arguments"] for c in message["tool_calls"])
 
 
-def test_enable_thinking_false_answers_without_reasoning(app: Any) -> None:
+def test_enable_thinking_false_answers_without_reasoning(thinking_app: Any) -> None:
     body = SHAPED | {"seed": 2, "chat_template_kwargs": NO_THINKING}
-    plain = chat(app, body)
+    plain = chat(thinking_app, body)
     (choice,) = plain["choices"]
     message = choice["message"]
     assert message["reasoning"] is None and message["reasoning_content"] is None
@@ -202,27 +192,27 @@ def test_enable_thinking_false_answers_without_reasoning(app: Any) -> None:
     assert_no_markers(message["content"])
     assert reasoning_tokens(plain) == 0
 
-    chunks = streamed(app, body)
+    chunks = streamed(thinking_app, body)
     assert not any("reasoning" in c["delta"] for chunk in chunks[:-1] for c in chunk["choices"])
     assert joined(chunks[:-1], 1)[0]["content"] == message["content"]
 
 
-def test_include_reasoning_false_leaves_the_reasoning_out(app: Any) -> None:
+def test_include_reasoning_false_leaves_the_reasoning_out(thinking_app: Any) -> None:
     body = SHAPED | {"seed": 9}
-    full = chat(app, body)
-    lean = chat(app, body | {"include_reasoning": False})
+    full = chat(thinking_app, body)
+    lean = chat(thinking_app, body | {"include_reasoning": False})
     message = lean["choices"][0]["message"]
     assert message["reasoning"] is None and message["reasoning_content"] is None
     assert message["content"] == full["choices"][0]["message"]["content"]
     # The model still reasoned: the tokens count.
     assert reasoning_tokens(lean) == reasoning_tokens(full) == BUDGET + 1
 
-    chunks = streamed(app, body | {"include_reasoning": False})
+    chunks = streamed(thinking_app, body | {"include_reasoning": False})
     assert not any("reasoning" in c["delta"] for chunk in chunks[:-1] for c in chunk["choices"])
     assert joined(chunks[:-1], 1)[0]["content"] == message["content"]
 
 
-def test_earlier_reasoning_in_the_history_is_accepted_and_left_to_the_template(app: Any) -> None:
+def test_earlier_reasoning_in_the_history_is_accepted_and_left_to_the_template(thinking_app: Any) -> None:
     turns = [
         *USER,
         {"role": "assistant", "content": '{"n": 1, "ok": true}'},
@@ -230,41 +220,45 @@ def test_earlier_reasoning_in_the_history_is_accepted_and_left_to_the_template(a
     ]
     alike = [dict(turns[1], reasoning_content="Let me count."), dict(turns[1], reasoning="Let me count.")]
     counts = {
-        call(app, "POST", "/tokenize", json={"messages": [turns[0], turn, turns[2]]}).json()["count"]
+        call(thinking_app, "POST", "/tokenize", json={"messages": [turns[0], turn, turns[2]]}).json()["count"]
         for turn in [turns[1], *alike]
     }
     assert len(counts) == 1  # Qwen3's template drops the reasoning of turns before the last user message
-    answer = chat(app, {"messages": [turns[0], alike[0], turns[2]], "max_tokens": 4})
+    answer = chat(thinking_app, {"messages": [turns[0], alike[0], turns[2]], "max_tokens": 4})
     assert answer["choices"][0]["message"]["reasoning"] is not None
 
 
-def test_tokenize_takes_the_chat_template_kwargs(app: Any) -> None:
-    tokenizer_of = app.state.server.tokenizer
-    counted = call(app, "POST", "/tokenize", json={"messages": USER, "chat_template_kwargs": NO_THINKING})
+def test_tokenize_takes_the_chat_template_kwargs(thinking_app: Any) -> None:
+    tokenizer_of = thinking_app.state.server.tokenizer
+    counted = call(
+        thinking_app, "POST", "/tokenize", json={"messages": USER, "chat_template_kwargs": NO_THINKING}
+    )
     tokens = counted.json()["tokens"]
     assert tokenizer_of.decode(tokens, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
-    answer = chat(app, {"messages": USER, "chat_template_kwargs": NO_THINKING, "max_tokens": 2})
+    answer = chat(thinking_app, {"messages": USER, "chat_template_kwargs": NO_THINKING, "max_tokens": 2})
     assert answer["usage"]["prompt_tokens"] == counted.json()["count"]
-    refused = call(app, "POST", "/tokenize", json={"prompt": "hi", "chat_template_kwargs": NO_THINKING})
+    refused = call(
+        thinking_app, "POST", "/tokenize", json={"prompt": "hi", "chat_template_kwargs": NO_THINKING}
+    )
     assert_error(refused, 400, "applies to messages")
 
 
 @pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "tools", "bos_token"])
-def test_chat_template_kwargs_cannot_replace_the_templates_own_variables(app: Any, key: str) -> None:
-    response = call(app, "POST", CHAT, json={"messages": USER, "chat_template_kwargs": {key: []}})
+def test_chat_template_kwargs_cannot_replace_the_templates_own_variables(thinking_app: Any, key: str) -> None:
+    response = call(thinking_app, "POST", CHAT, json={"messages": USER, "chat_template_kwargs": {key: []}})
     error = assert_error(response, 400, "chat_template_kwargs", repr(key))
     assert error["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("budget", [-1, "8", 1.5])
-def test_a_bad_thinking_token_budget_is_a_400_naming_it(app: Any, budget: Any) -> None:
-    response = call(app, "POST", CHAT, json={"messages": USER, "thinking_token_budget": budget})
+def test_a_bad_thinking_token_budget_is_a_400_naming_it(thinking_app: Any, budget: Any) -> None:
+    response = call(thinking_app, "POST", CHAT, json={"messages": USER, "thinking_token_budget": budget})
     assert assert_error(response, 400)["param"] == "thinking_token_budget"
 
 
-def test_text_completions_have_no_reasoning_phase(app: Any) -> None:
+def test_text_completions_have_no_reasoning_phase(thinking_app: Any) -> None:
     body = {"prompt": "Once upon", "max_tokens": 6, "ignore_eos": True, "seed": 1, "temperature": 1.0}
-    plain = call(app, "POST", "/v1/completions", json=body).json()
+    plain = call(thinking_app, "POST", "/v1/completions", json=body).json()
     (choice,) = plain["choices"]
     # Every token is the text's (under a reasoning phase the first ones would all be reasoning).
     assert choice["text"] and "reasoning" not in choice
@@ -272,13 +266,13 @@ def test_text_completions_have_no_reasoning_phase(app: Any) -> None:
     assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     # A grammar applies from the first token.
     regex = {"prompt": "digits", "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"}}
-    constrained = call(app, "POST", "/v1/completions", json=regex).json()
+    constrained = call(thinking_app, "POST", "/v1/completions", json=regex).json()
     assert re.fullmatch(r"[0-9]{3}", constrained["choices"][0]["text"])
-    chunks = sse_events(call(app, "POST", "/v1/completions", json=body | {"stream": True}))
+    chunks = sse_events(call(thinking_app, "POST", "/v1/completions", json=body | {"stream": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 
-def test_the_openai_sdk_reads_the_reasoning(engine: AsyncEngine, app: Any) -> None:
+def test_the_openai_sdk_reads_the_reasoning(thinking_engine: AsyncEngine, thinking_app: Any) -> None:
     options: dict[str, Any] = {
         "model": "tiny-thinking",
         "messages": USER,
@@ -287,13 +281,13 @@ def test_the_openai_sdk_reads_the_reasoning(engine: AsyncEngine, app: Any) -> No
         "temperature": 0,
         "extra_body": {"thinking_token_budget": 8},
     }
-    with serve(app) as url:
+    with serve(thinking_app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         plain = client.chat.completions.create(**options)
         chunks = list(
             client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True})
         )
-    wait_idle(engine)
+    wait_idle(thinking_engine)
     message = plain.choices[0].message
     reasoning = getattr(message, "reasoning", None)  # an extra field to the SDK, kept as sent
     assert reasoning and getattr(message, "reasoning_content", None) == reasoning

@@ -18,10 +18,9 @@ import pytest
 from live_server import serve, wait_idle
 from openai.types.responses import Response, ResponseReasoningItem, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_helpers import CITY, KEY, assert_error, call, tiny_thinking_engine
+from server_helpers import CITY, KEY, assert_error, call
 
 from structgen.engine.async_engine import AsyncEngine
-from structgen.server import build_app
 
 MODEL = "tiny-thinking"
 BUDGET = 10
@@ -56,27 +55,15 @@ CALL_EVENTS = (
 MARKERS = ("<think>", "</think>")
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    async_engine = tiny_thinking_engine("deepseek_r1")
-    yield async_engine
-    async_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def app(engine: AsyncEngine) -> Any:
-    return build_app(engine, engine.engine.tokenizer, model_name=MODEL, api_key=KEY)
-
-
-def create(app: Any, body: dict[str, Any]) -> dict[str, Any]:
-    response = call(app, "POST", "/v1/responses", json=body)
+def create(thinking_app: Any, body: dict[str, Any]) -> dict[str, Any]:
+    response = call(thinking_app, "POST", "/v1/responses", json=body)
     assert response.status_code == 200, response.text
     Response.model_validate(response.json())  # the SDK's own model
     return response.json()
 
 
-def stream(app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
-    response = call(app, "POST", "/v1/responses", json=body | {"stream": True})
+def stream(thinking_app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = call(thinking_app, "POST", "/v1/responses", json=body | {"stream": True})
     assert response.status_code == 200, response.text
     events = []
     for block in filter(None, response.text.split("\n\n")):
@@ -103,8 +90,8 @@ def reasoning_text(item: dict[str, Any]) -> str:
     return str(part["text"])
 
 
-def test_a_reasoning_item_comes_before_the_answer(app: Any) -> None:
-    body = create(app, SHAPED | {"reasoning": {"effort": "low"}})
+def test_a_reasoning_item_comes_before_the_answer(thinking_app: Any) -> None:
+    body = create(thinking_app, SHAPED | {"reasoning": {"effort": "low"}})
     assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
     reasoning, message = body["output"]
     item = ResponseReasoningItem.model_validate(reasoning)
@@ -117,11 +104,11 @@ def test_a_reasoning_item_comes_before_the_answer(app: Any) -> None:
     # The budget's tokens and the forced `</think>`.
     assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": BUDGET + 1}
     assert body["reasoning"] == {"effort": "low", "summary": None}  # echoed, not acted on
-    assert call(app, "GET", f"/v1/responses/{body['id']}").json() == body
+    assert call(thinking_app, "GET", f"/v1/responses/{body['id']}").json() == body
 
 
-def test_the_stream_has_the_reasoning_events_and_ends_as_the_plain_answer(app: Any) -> None:
-    events = stream(app, SHAPED)
+def test_the_stream_has_the_reasoning_events_and_ends_as_the_plain_answer(thinking_app: Any) -> None:
+    events = stream(thinking_app, SHAPED)
     assert re.fullmatch(
         rf"response\.created response\.in_progress {REASONING_EVENTS} {TEXT_EVENTS} response\.completed ",
         order(events),
@@ -136,24 +123,24 @@ def test_the_stream_has_the_reasoning_events_and_ends_as_the_plain_answer(app: A
     assert all(e.get("item_id", reasoning["id"]) == reasoning["id"] for e in mine)
     assert mine[-1]["item"] == reasoning
     assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": BUDGET + 1}
-    plain = create(app, SHAPED)
+    plain = create(thinking_app, SHAPED)
     assert without_ids(plain) | {"usage": None} == without_ids(final) | {"usage": None}
     assert plain["usage"]["output_tokens"] == final["usage"]["output_tokens"]
 
 
-def test_the_answers_logprobs_leave_the_reasoning_out(app: Any) -> None:
+def test_the_answers_logprobs_leave_the_reasoning_out(thinking_app: Any) -> None:
     body = SHAPED | {"seed": 12, "include": ["message.output_text.logprobs"], "top_logprobs": 1}
-    plain = create(app, body)
-    final = stream(app, body)[-1]["response"]
+    plain = create(thinking_app, body)
+    final = stream(thinking_app, body)[-1]["response"]
     logprobs = plain["output"][1]["content"][0]["logprobs"]
     usage = plain["usage"]
     assert len(logprobs) == usage["output_tokens"] - usage["output_tokens_details"]["reasoning_tokens"]
     assert final["output"][1]["content"][0]["logprobs"] == logprobs
 
 
-def test_an_output_cut_in_its_reasoning_is_incomplete_with_an_empty_message(app: Any) -> None:
+def test_an_output_cut_in_its_reasoning_is_incomplete_with_an_empty_message(thinking_app: Any) -> None:
     body = {"input": "Think.", "max_output_tokens": 4, "seed": 1, "temperature": 1.0}
-    events = stream(app, body)
+    events = stream(thinking_app, body)
     assert re.fullmatch(
         rf"response\.created response\.in_progress {REASONING_EVENTS} {TEXT_EVENTS.replace('+', '*')} "
         r"response\.incomplete ",
@@ -164,11 +151,11 @@ def test_an_output_cut_in_its_reasoning_is_incomplete_with_an_empty_message(app:
     assert reasoning["status"] == message["status"] == "incomplete"
     assert message["content"][0]["text"] == "" and reasoning_text(reasoning)
     assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 4}
-    plain = create(app, body)
+    plain = create(thinking_app, body)
     assert without_ids(plain) | {"usage": None} == without_ids(final) | {"usage": None}
 
 
-def test_function_calls_follow_the_reasoning(app: Any) -> None:
+def test_function_calls_follow_the_reasoning(thinking_app: Any) -> None:
     tools = [{"type": "function", "name": "get_weather", "parameters": CITY}]
     body = {
         "input": "Weather in Oslo?",
@@ -178,7 +165,7 @@ def test_function_calls_follow_the_reasoning(app: Any) -> None:
         "max_output_tokens": 60,
         "temperature": 0,
     }
-    events = stream(app, body)
+    events = stream(thinking_app, body)
     assert re.fullmatch(
         rf"response\.created response\.in_progress {REASONING_EVENTS} ({CALL_EVENTS} )+response\.completed ",
         order(events),
@@ -189,25 +176,25 @@ def test_function_calls_follow_the_reasoning(app: Any) -> None:
         jsonschema.validate(json.loads(item["arguments"]), CITY)
 
 
-def test_thinking_off_leaves_only_the_message(app: Any) -> None:
-    body = create(app, SHAPED | {"chat_template_kwargs": {"enable_thinking": False}})
+def test_thinking_off_leaves_only_the_message(thinking_app: Any) -> None:
+    body = create(thinking_app, SHAPED | {"chat_template_kwargs": {"enable_thinking": False}})
     (message,) = body["output"]
     jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMA)
     assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
 
 
-def test_reasoning_items_sent_back_are_accepted_and_left_out_of_the_prompt(app: Any) -> None:
-    first = create(app, SHAPED)
+def test_reasoning_items_sent_back_are_accepted_and_left_out_of_the_prompt(thinking_app: Any) -> None:
+    first = create(thinking_app, SHAPED)
     follow_up = {"role": "user", "content": "Another one."}
     user = {"role": "user", "content": SHAPED["input"]}
     short = {"max_output_tokens": 4, "thinking_token_budget": 2}
-    chained = create(app, {"input": [follow_up], "previous_response_id": first["id"]} | short)
-    explicit = create(app, {"input": [user, *first["output"], follow_up]} | short)
-    answer_only = create(app, {"input": [user, first["output"][1], follow_up]} | short)
+    chained = create(thinking_app, {"input": [follow_up], "previous_response_id": first["id"]} | short)
+    explicit = create(thinking_app, {"input": [user, *first["output"], follow_up]} | short)
+    answer_only = create(thinking_app, {"input": [user, first["output"][1], follow_up]} | short)
     # Qwen3's template keeps no reasoning of turns before the last user message: the same prompt all three ways.
     assert chained["usage"]["input_tokens"] == explicit["usage"]["input_tokens"]
     assert explicit["usage"]["input_tokens"] == answer_only["usage"]["input_tokens"]
-    listed = call(app, "GET", f"/v1/responses/{explicit['id']}/input_items?order=asc").json()["data"]
+    listed = call(thinking_app, "GET", f"/v1/responses/{explicit['id']}/input_items?order=asc").json()["data"]
     assert [item["type"] for item in listed] == ["message", "reasoning", "message", "message"]
     sent = first["output"][0]
     assert {k: v for k, v in listed[1].items() if k != "encrypted_content"} == {
@@ -227,18 +214,18 @@ def test_reasoning_items_sent_back_are_accepted_and_left_out_of_the_prompt(app: 
         ({"summary": "x"}, "input[0].summary"),
     ],
 )
-def test_a_bad_reasoning_item_is_a_400_naming_it(app: Any, item: dict[str, Any], param: str) -> None:
+def test_a_bad_reasoning_item_is_a_400_naming_it(thinking_app: Any, item: dict[str, Any], param: str) -> None:
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": []} | item
     body = {"input": [reasoning, {"role": "user", "content": "Hi"}], "max_output_tokens": 2}
-    error = assert_error(call(app, "POST", "/v1/responses", json=body), 400)
+    error = assert_error(call(thinking_app, "POST", "/v1/responses", json=body), 400)
     assert error["param"] == param
 
 
 @pytest.fixture(scope="module")
-def client(engine: AsyncEngine, app: Any) -> Iterator[openai.OpenAI]:
-    with serve(app) as url:
+def client(thinking_engine: AsyncEngine, thinking_app: Any) -> Iterator[openai.OpenAI]:
+    with serve(thinking_app) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    wait_idle(engine)
+    wait_idle(thinking_engine)
 
 
 def test_the_sdk_reads_and_accumulates_the_reasoning_item(client: openai.OpenAI) -> None:
