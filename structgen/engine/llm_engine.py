@@ -150,20 +150,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             jump_forward=self.structured.jump_forward,
         )
-        self.speculator = (
-            Speculator(
-                config.speculative_config,  # type: ignore[arg-type]  (parsed in EngineConfig)
-                structured=self.structured,
-                tokens_left=self.output_processor.tokens_left,
-                num_valid_tokens=self.runner.num_valid_tokens,
-                # (late-bound: tests wrap the runner's sampler)
-                sample=lambda logits, rows: self.runner.sampler(logits, rows),
-                eos_token_ids=self.eos_token_ids,
-                tokenizer=tokenizer,
-            )
-            if config.speculative_config is not None
-            else None
-        )
+        self.speculator = Speculator.for_engine(self) if config.speculative_config is not None else None
         # The structured-output layer installs its batched bitmask here (on the first structured request).
         self.logits_processor: LogitsProcessor | None = None
         self.counters = EngineCounters()
@@ -314,7 +301,7 @@ class LLMEngine:
         self._note_scheduled(batch)
         self.structured.prepare(batch.sample_seqs)
         sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor, spec=spec)
-        proposals = speculator.take_back(batch, spec) if spec else {}
+        proposals = speculator.take_back(batch, spec) if spec and speculator is not None else {}
         self.scheduler.update(batch)
         self.counters.num_steps += 1
         for child in batch.forked:
@@ -338,25 +325,15 @@ class LLMEngine:
             failed_rows = set(failed) | set(broken)
             keep = [i for i in range(len(sample_seqs)) if i not in failed_rows]
             sample_seqs = [sample_seqs[i] for i in keep]
-            sampled.token_ids = [sampled.token_ids[i] for i in keep]
-            if sampled.logprobs is not None:
-                sampled.logprobs = [sampled.logprobs[i] for i in keep]
-            if sampled.top_logprobs is not None:
-                sampled.top_logprobs = [sampled.top_logprobs[i] for i in keep]
+            sampled = sampled.subset(keep)
         self.counters.num_generated_tokens += len(sample_seqs)
         finished = self.output_processor.process(sample_seqs, sampled, self._requests)
-        if proposals:
-            picks = speculator.counters.num_picks  # type: ignore[union-attr]
-            finished += speculator.verify(  # type: ignore[union-attr]
-                batch,
-                proposals,
-                self.runner.spec_logits,
-                output_processor=self.output_processor,
-                block_manager=self.block_manager,
-                requests=self._requests,
-                ended=finished,
+        if proposals and speculator is not None:  # the picks after accepted proposals are sampled tokens too
+            more, picks = speculator.verify(
+                batch, proposals, self.runner.spec_logits, self._requests, finished
             )
-            self.counters.num_generated_tokens += speculator.counters.num_picks - picks  # type: ignore[union-attr]
+            finished += more
+            self.counters.num_generated_tokens += picks
         self._finish_all(finished)
         return self._collect_outputs(ended_seqs + batch.sample_seqs)
 

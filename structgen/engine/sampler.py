@@ -77,6 +77,14 @@ class SamplerOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
+    def subset(self, keep: list[int]) -> SamplerOutput:
+        """The picks of rows `keep`, in that order."""
+        return SamplerOutput(
+            token_ids=[self.token_ids[i] for i in keep],
+            logprobs=[self.logprobs[i] for i in keep] if self.logprobs is not None else None,
+            top_logprobs=[self.top_logprobs[i] for i in keep] if self.top_logprobs is not None else None,
+        )
+
 
 class SamplerError(StructgenError, ValueError):
     """Some rows have no token to sample; `rows` lists their batch indices so the engine can abort them."""

@@ -39,6 +39,7 @@ from structgen.structured.json_scan import STRING
 if TYPE_CHECKING:
     from structgen.config import SpeculativeConfig
     from structgen.engine.block_manager import BlockManager
+    from structgen.engine.llm_engine import LLMEngine
     from structgen.engine.output_processor import OutputProcessor
     from structgen.engine.scheduler import SchedulerOutput
     from structgen.engine.sequence import Request
@@ -69,12 +70,27 @@ class SpeculationCounters:
 
 
 class Speculator:
+    @classmethod
+    def for_engine(cls, engine: LLMEngine) -> Speculator:
+        return cls(
+            engine.config.speculative_config,  # type: ignore[arg-type]  (parsed in EngineConfig)
+            structured=engine.structured,
+            output_processor=engine.output_processor,
+            block_manager=engine.block_manager,
+            num_valid_tokens=engine.runner.num_valid_tokens,
+            # (late-bound: tests wrap the runner's sampler)
+            sample=lambda logits, rows: engine.runner.sampler(logits, rows),
+            eos_token_ids=engine.eos_token_ids,
+            tokenizer=engine.tokenizer,
+        )
+
     def __init__(
         self,
         config: SpeculativeConfig,
         *,
         structured: StructuredOutputs,
-        tokens_left: Callable[[Sequence], int],
+        output_processor: OutputProcessor,
+        block_manager: BlockManager,
         num_valid_tokens: int,
         sample: Callable[[torch.Tensor, list[SamplingRow]], Any],
         eos_token_ids: frozenset[int] = frozenset(),
@@ -91,7 +107,8 @@ class Speculator:
         )
         self._prompt_texts: dict[int, str] = {}  # seq_id -> its prompt's text, while it runs
         self.structured = structured
-        self.tokens_left = tokens_left
+        self.output_processor = output_processor
+        self.block_manager = block_manager
         self.num_valid_tokens = num_valid_tokens
         self.counters = SpeculationCounters()
         # seq_id -> (the sequence, the tokens appended to its token_ids)
@@ -114,7 +131,7 @@ class Speculator:
             # runs at most `1 + num_speculative_tokens` new tokens a step (more rows cost more than they gave:
             # BENCHMARKS.md).
             pending = len(seq.token_ids) - seq.num_computed_tokens
-            k = min(config.num_speculative_tokens + 1 - pending, self.tokens_left(seq) - 1)
+            k = min(config.num_speculative_tokens + 1 - pending, self.output_processor.tokens_left(seq) - 1)
             if k <= 0:
                 continue
             tokens = self._from_text(seq, k)
@@ -177,13 +194,13 @@ class Speculator:
         batch: SchedulerOutput,
         proposals: dict[int, list[int]],
         logits: dict[int, torch.Tensor],
-        *,
-        output_processor: OutputProcessor,
-        block_manager: BlockManager,
         requests: dict[str, Request],
         ended: list[tuple[Sequence, SequenceStatus]],
-    ) -> list[tuple[Sequence, SequenceStatus]]:
-        """Accept proposals while the target model's picks agree; returns the sequences that finished."""
+    ) -> tuple[list[tuple[Sequence, SequenceStatus]], int]:
+        """Accept proposals while the target model's picks agree; returns the sequences that finished and how
+        many tokens were picked after accepted proposals."""
+        output_processor, block_manager = self.output_processor, self.block_manager
+        picks_before = self.counters.num_picks
         finished: list[tuple[Sequence, SequenceStatus]] = []
         done = {id(seq) for seq, _ in ended}
         if proposals:
@@ -213,7 +230,7 @@ class Speculator:
                     break
                 if len(seq.output_token_ids) != length + j + 1:
                     break  # forced tokens followed (or the closer replaced the pick): they have no KV yet
-        return finished
+        return finished, self.counters.num_picks - picks_before
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
