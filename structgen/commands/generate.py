@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
+from structgen.tokenizer.reasoning import REASONING_PARSERS, ReasoningParserError
 
 EXAMPLES = """\
 examples:
@@ -60,6 +61,15 @@ def add_parser(
     shape.add_argument("--choice", metavar="A,B,C", help="constrain the output to one of these strings")
     shape.add_argument("--grammar", metavar="FILE", help="constrain the output to a Lark or EBNF grammar")
     gen.add_argument("--strict", action="store_true", help="fail instead of returning an invalid output")
+    gen.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="a reasoning model's <think> ... </think> goes to stderr, the answer (under any constraint) to stdout",
+    )
+    gen.add_argument(
+        "--thinking-token-budget", type=int, default=None, metavar="N", help="reasoning tokens at most"
+    )
     gen.add_argument("--backend", default="auto", choices=["auto", "llguidance", "xgrammar", "outlines"])
     add_structured_flags(gen)
 
@@ -77,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop,
             structured_outputs=_structured_outputs(args, model_class),  # type: ignore[arg-type]
+            thinking_token_budget=args.thinking_token_budget,
         )
+        if args.thinking_token_budget is not None and args.reasoning_parser is None:
+            raise UsageError("--thinking-token-budget needs --reasoning-parser")
     except (UsageError, ValueError, OSError) as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
@@ -87,9 +100,18 @@ def run(args: argparse.Namespace) -> int:
     from structgen.validate.local import build_backends
 
     structured = StructuredOutputConfig(backend=args.backend, **structured_switches(args))
-    engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, device=args.device, structured=structured)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        structured=structured,
+        reasoning_parser=args.reasoning_parser,
     )
+    try:
+        engine = LLMEngine(config)
+    except ReasoningParserError as exc:  # the model has no <think> / </think> tokens
+        print(f"structgen generate: {exc}", file=sys.stderr)
+        return 2
     if params.structured_outputs is not None:
         build_backends(engine)
     tokenizer = engine.tokenizer
@@ -107,9 +129,13 @@ def run(args: argparse.Namespace) -> int:
     while engine.has_unfinished():
         for out in engine.step():
             completion = out.outputs[0]
+            if args.stream and completion.delta_reasoning:
+                print(completion.delta_reasoning, end="", file=sys.stderr, flush=True)
             if args.stream and completion.delta_text:
                 print(completion.delta_text, end="", flush=True)
     assert completion is not None
+    if completion.reasoning is not None and not args.stream:
+        print(completion.reasoning, file=sys.stderr)
     print("" if args.stream else completion.text)
     return _report(completion, model_class)
 

@@ -120,3 +120,22 @@ def test_an_unknown_parser_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'gpt'" in err and "deepseek_r1" in err and "qwen3" in err
+
+
+def test_generate_prints_the_answer_and_sends_the_reasoning_to_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ["--model", "tiny-thinking", "--prompt", "Give me a number.", "--max-tokens", "48"]
+    flags += ["--reasoning-parser", "deepseek_r1", "--thinking-token-budget", "5", "--json-object"]
+    for stream in ([], ["--stream"]):
+        assert main(["generate", *flags, *stream]) == 0
+        out, err = capsys.readouterr()
+        assert isinstance(json.loads(out), dict), out  # the answer alone, under the constraint
+        assert err.strip() and not any(marker in out + err for marker in ("<think>", "</think>"))
+
+
+def test_generate_refuses_a_model_without_the_markers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--reasoning-parser", "qwen3"]) == 2
+    assert "needs '<think>' as one token" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--thinking-token-budget", "3"]) == 2
+    assert "--thinking-token-budget needs --reasoning-parser" in capsys.readouterr().err
