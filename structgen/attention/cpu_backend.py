@@ -32,7 +32,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         from structgen.kernels import cpu_ops
 
         self._ops = cpu_ops
-        # The decode rows of a mixed step (see `_decode_rows`), computed once per step for all layers.
+        # The decode rows of a mixed step (see `decode_rows`), computed once per step for all layers.
         self._decode_rows: (
             tuple[AttentionMetadata, frozenset[int], torch.Tensor, torch.Tensor, torch.Tensor] | None
         )
@@ -61,7 +61,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         out = torch.zeros_like(query)  # rows of no sequence (padding) stay finite
         if self._decode_rows is None or self._decode_rows[0] is not metadata:
-            self._decode_rows = (metadata, *_decode_rows(metadata))
+            self._decode_rows = (metadata, *decode_rows(metadata))
         _, decode_seqs, rows, tables, lens = self._decode_rows
         if len(rows):
             self._ops.paged_decode_attention(
@@ -81,7 +81,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out
 
 
-def _decode_rows(
+def decode_rows(
     metadata: AttentionMetadata,
 ) -> tuple[frozenset[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequences of a mixed step attended as decode rows (one new token, or a few on a cached context),

@@ -67,8 +67,12 @@ class FlatLlamaForward:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         native = self.native_decode
-        if native is not None and metadata.is_decode and 0 < hidden.shape[0] <= native.max_rows:
-            return native(hidden, cos, sin, kv_caches, metadata)
+        if native is not None and 0 < hidden.shape[0] <= native.max_rows:
+            if metadata.is_decode:
+                return native(hidden, cos, sin, kv_caches, metadata)
+            rows = _decode_rows_only(metadata)
+            if rows is not None:  # a few new tokens per sequence (forced tokens, proposals): decode rows all
+                return native(hidden, cos, sin, kv_caches, metadata, rows=rows)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -147,17 +151,22 @@ class NativeDecodeStep:
         sin: torch.Tensor,
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
+        *,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`rows`: (block table, context length) of each row where a sequence has several (each new token a
+        decode row that sees the context up to itself, as the CPU attention backend runs them)."""
         if self._caches is None or self._caches[0] is not kv_caches:  # the runner keeps one list for its life
             self._caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
         _, keys, values = self._caches
+        tables, lens = rows if rows is not None else (metadata.block_tables, metadata.context_lens)
         return torch.ops.structgen_cpu.decode_layers(
             embedded,
             cos,
             sin,
             metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.context_lens,
+            tables,
+            lens,
             keys,
             values,
             self.weights,
@@ -237,3 +246,14 @@ def enable_flat_forward(model: nn.Module) -> bool:
 
     model.model.flat_forward = FlatLlamaForward(model.model, cpu_ops)
     return True
+
+
+def _decode_rows_only(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(block table, context length) per row when every sequence's new tokens are decode rows for the CPU
+    attention (`cpu_backend._decode_rows`: one token, or a few on a cached context), else None."""
+    from structgen.attention.cpu_backend import decode_rows
+
+    seqs, _, tables, lens = decode_rows(metadata)
+    if len(seqs) != metadata.num_seqs:
+        return None
+    return tables, lens

@@ -13,6 +13,9 @@ STEPS: list[dict[int, list[int]]] = [
     {0: [3], 1: [9], 2: list(range(100, 140))},  # decodes beside a new prefill
     {0: [11], 1: [12], 2: [13]},
     {0: [14], 2: [15]},
+    # A few new tokens on a cached context (forced tokens, speculative proposals): each one a decode row.
+    {0: [16, 17], 2: [18, 19]},
+    {1: [20, 21, 22]},
 ]
 
 
@@ -44,8 +47,8 @@ def test_flat_forward_is_not_set_where_it_does_not_apply(architecture: str, reas
 
 
 def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
-    """Pure decode steps of few rows (up to the GEMV's) run all layers in one native call; the same kernels, the
-    same bits."""
+    """Decode steps of few rows (up to the GEMV's) run all layers in one native call, also where a sequence has
+    a few new tokens; the same kernels, the same bits."""
     from structgen.kernels import cpu_woq
 
     from structgen.models.cpu_linear import (
@@ -71,15 +74,17 @@ def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
     class Counted:
         max_rows = native.max_rows
 
-        def __call__(self, embedded: torch.Tensor, *args: object) -> torch.Tensor:
+        def __call__(self, embedded: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             calls.append(embedded.shape[0])
-            return native(embedded, *args)  # type: ignore[arg-type]
+            return native(embedded, *args, **kwargs)  # type: ignore[arg-type]
 
     flat.native_decode = None
     expected = _logits(model)
     flat.native_decode = Counted()  # type: ignore[assignment]
     got = _logits(model)
-    assert calls == [3, 2]  # the two pure decode steps (3 and 2 rows); the mixed ones stay in Python
+    # The decode steps (3 and 2 rows) and those of a few tokens per sequence (4 and 3 rows, each token a decode
+    # row); the ones with a prefill stay in Python.
+    assert calls == [3, 2, 4, 3]
     for step_expected, step_got in zip(expected, got, strict=True):
         for seq, logits in step_expected.items():
             assert torch.equal(step_got[seq], logits), f"sequence {seq} differs"
