@@ -89,3 +89,14 @@ def assert_error_body(body: dict[str, Any], *words: str) -> dict[str, Any]:
     for word in words:
         assert word in message, message
     return body["error"]
+
+
+# The Responses stream's event sequence (event types joined by spaces) for a text part and a function call.
+TEXT_EVENTS = (
+    r"response\.output_item\.added response\.content_part\.added (response\.output_text\.delta )+"
+    r"response\.output_text\.done response\.content_part\.done response\.output_item\.done"
+)
+CALL_EVENTS = (
+    r"response\.output_item\.added (response\.function_call_arguments\.delta )+"
+    r"response\.function_call_arguments\.done response\.output_item\.done"
+)

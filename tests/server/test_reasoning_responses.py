@@ -18,7 +18,7 @@ import pytest
 from live_server import serve, wait_idle
 from openai.types.responses import Response, ResponseReasoningItem, ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_helpers import CITY, KEY, assert_error, call
+from server_helpers import CALL_EVENTS, CITY, KEY, TEXT_EVENTS, assert_error, call
 
 from structgen.engine.async_engine import AsyncEngine
 
@@ -43,14 +43,6 @@ EVENT = TypeAdapter(ResponseStreamEvent)
 REASONING_EVENTS = (
     r"response\.output_item\.added response\.content_part\.added (response\.reasoning_text\.delta )+"
     r"response\.reasoning_text\.done response\.content_part\.done response\.output_item\.done"
-)
-TEXT_EVENTS = (
-    r"response\.output_item\.added response\.content_part\.added (response\.output_text\.delta )+"
-    r"response\.output_text\.done response\.content_part\.done response\.output_item\.done"
-)
-CALL_EVENTS = (
-    r"response\.output_item\.added (response\.function_call_arguments\.delta )+"
-    r"response\.function_call_arguments\.done response\.output_item\.done"
 )
 MARKERS = ("<think>", "</think>")
 

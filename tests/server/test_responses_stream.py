@@ -17,7 +17,7 @@ import pytest
 from live_server import serve, wait_idle
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
-from server_helpers import AUTH, KEY, call
+from server_helpers import AUTH, CALL_EVENTS, KEY, TEXT_EVENTS, call
 
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import build_app
@@ -32,14 +32,6 @@ CITY = {
 }
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": CITY}]
 EVENT = TypeAdapter(ResponseStreamEvent)
-TEXT_EVENTS = (
-    r"response\.output_item\.added response\.content_part\.added (response\.output_text\.delta )+"
-    r"response\.output_text\.done response\.content_part\.done response\.output_item\.done"
-)
-CALL_EVENTS = (
-    r"response\.output_item\.added (response\.function_call_arguments\.delta )+"
-    r"response\.function_call_arguments\.done response\.output_item\.done"
-)
 
 
 @pytest.fixture(scope="module")
