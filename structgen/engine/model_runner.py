@@ -20,6 +20,7 @@ from structgen.attention import AttentionMetadata, KVCache, allocate_kv_cache
 from structgen.distributed.step_io import StepInput
 from structgen.engine.block_manager import cdiv
 from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
+from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
 from structgen.engine.scheduler import SchedulerOutput
 from structgen.engine.sequence import Sequence
@@ -222,7 +223,7 @@ class ModelRunner:
             logits = logits.index_select(0, pick)
         if self.num_valid_tokens < logits.shape[1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
-        _ban_reasoning_markers(logits, batch.sample_seqs)
+        ban_phase_tokens(logits, batch.sample_seqs)
         mask: TokenMask | None = None
         if logits_processor is not None:
             processed = logits_processor(logits, batch.sample_seqs)
@@ -334,21 +335,3 @@ def _spread(out: SamplerOutput, rows: list[int], size: int) -> SamplerOutput:
         if top is not None and out.top_logprobs is not None:
             top[i] = out.top_logprobs[j]
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
-
-
-def _ban_reasoning_markers(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """-inf, in place, for the tokens each row's reasoning phase rules out (`ReasoningState.banned_token_ids`):
-    markers in an answer, the end of a structured request before its answer. Raw logits are finite, so a ban of
-    a few ids never leaves a row without a token. (Logprobs are read after it, as after the grammar's mask.)"""
-    rows: list[int] = []
-    cols: list[int] = []
-    vocab = logits.shape[1]
-    for row, seq in enumerate(seqs):
-        if seq.reasoning is not None:
-            for token in seq.reasoning.banned_token_ids:
-                if 0 <= token < vocab:
-                    rows.append(row)
-                    cols.append(token)
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))

@@ -17,8 +17,11 @@ neither text ever carries one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from structgen.tokenizer.reasoning import ReasoningMarkers, ReasoningParser, ReasoningPhase
 
@@ -130,3 +133,21 @@ def new_state(
         answer_reserve(None, structured=structured),
         thinking_bans=bans,
     )
+
+
+def ban_phase_tokens(logits: torch.Tensor, seqs: Sequence[Any]) -> None:
+    """-inf, in place, for the tokens each row's reasoning phase rules out (`ReasoningState.banned_token_ids`):
+    markers in an answer, the end of a structured request before its answer. Raw logits are finite, so a ban of
+    a few ids never leaves a row without a token. (Logprobs are read after it, as after the grammar's mask.)"""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        if seq.reasoning is not None:
+            for token in seq.reasoning.banned_token_ids:
+                if 0 <= token < vocab:
+                    rows.append(row)
+                    cols.append(token)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))

@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from structgen.engine.ngram import ngram_candidates
-from structgen.engine.sampler import SamplerError, SamplingRow
+from structgen.engine.reasoning import ban_phase_tokens
+from structgen.engine.sampler import SamplingRow
 from structgen.engine.sequence import Sequence, SequenceStatus
 from structgen.engine.text_lookup import TextLookup
-from structgen.structured.bitmask import apply_token_bitmask_
+from structgen.engine.token_mask import TokenMask
 from structgen.structured.json_scan import STRING
 
 if TYPE_CHECKING:
@@ -50,15 +51,6 @@ if TYPE_CHECKING:
 _MAX_CANDIDATES = 8
 # Output tokens whose text the text lookup matches against the prompt's.
 _TAIL_TOKENS = 12
-
-
-@dataclass(slots=True)
-class _Picked:
-    """One token for `OutputProcessor.process` (greedy rows carry no logprobs)."""
-
-    token_ids: list[int]
-    logprobs: None = None
-    top_logprobs: None = None
 
 
 @dataclass(slots=True)
@@ -79,7 +71,7 @@ class Speculator:
             block_manager=engine.block_manager,
             num_valid_tokens=engine.runner.num_valid_tokens,
             # (late-bound: tests wrap the runner's sampler)
-            sample=lambda logits, rows: engine.runner.sampler(logits, rows),
+            sample=lambda logits, rows, mask: engine.runner.sampler(logits, rows, mask=mask),
             eos_token_ids=engine.eos_token_ids,
             tokenizer=engine.tokenizer,
         )
@@ -92,12 +84,13 @@ class Speculator:
         output_processor: OutputProcessor,
         block_manager: BlockManager,
         num_valid_tokens: int,
-        sample: Callable[[torch.Tensor, list[SamplingRow]], Any],
+        sample: Callable[[torch.Tensor, list[SamplingRow], TokenMask | None], Any],
         eos_token_ids: frozenset[int] = frozenset(),
         tokenizer: Any = None,
     ) -> None:
         self.config = config
-        self.sample = sample  # the engine's sampler: (logits [rows, vocab], rows) -> SamplerOutput
+        self.sample = sample  # the engine's sampler: (logits [rows, vocab], rows, mask) -> SamplerOutput
+        self._bitmask: torch.Tensor | None = None  # one row, for the grammar's mask at a proposal
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.text_lookup = (
@@ -217,8 +210,8 @@ class Speculator:
                     break
                 try:
                     picked = self._pick(seq, rows[j])
-                except SamplerError:  # no token possible there: the next step samples it from its own row
-                    break
+                except Exception:  # no token possible, or the grammar's fill failed: the next step samples it
+                    break  # from its own row, where the batch's mask and sampler handle both
                 # The pick before was the proposal: its KV, written by this step's forward, stands.
                 self.counters.num_accepted += 1
                 seq.num_computed_tokens += 1
@@ -271,52 +264,35 @@ class Speculator:
         return tokens
 
     def _pick(self, seq: Sequence, row: torch.Tensor) -> Any:
-        """The sampler's pick from one row of logits, as the step's own row would be picked: the reasoning bans,
-        the grammar's mask, then the request's own sampling (its generator, penalties, logprobs). A greedy row
-        whose argmax the grammar allows takes it without filling the mask (it is the masked argmax too)."""
+        """The sampler's pick from one row of logits, as the step's own row is picked: the reasoning bans, then the
+        request's own sampling (generator, penalties, logprobs) under its grammar's mask, handed to the sampler as
+        the step's mask is (a lazy row: filled only when the pick needs it)."""
         x = row.float().unsqueeze(0).clone()
-        vocab = x.shape[1]
-        if self.num_valid_tokens < vocab:
+        if self.num_valid_tokens < x.shape[1]:
             x[0, self.num_valid_tokens :] = float("-inf")
-        if seq.reasoning is not None:
-            banned = [t for t in seq.reasoning.banned_token_ids if 0 <= t < vocab]
-            if banned:
-                x[0, banned] = float("-inf")
-        params = seq.params
-        plain = params.greedy and params.logprobs is None and not _history_matters(seq)
+        ban_phase_tokens(x, [seq])
         grammar = _active_grammar(seq)
-        if plain:
-            pick = int(torch.argmax(x[0]))
-            if grammar is None or grammar.validate_tokens((pick,)) == 1:
-                return _Picked([pick])
-        if grammar is not None:
-            manager = self.structured.ensure_manager()
-            bitmask = manager.allocate_bitmask(1)
-            failures = manager.fill_bitmask([(grammar, 0)], bitmask)
-            if failures:
-                raise failures[0][1]
-            apply_token_bitmask_(x, bitmask, rows=[0])
-        if plain:
-            return _Picked([int(torch.argmax(x[0]))])
         sampling_row = SamplingRow(
-            params=params,
+            params=seq.params,  # type: ignore[arg-type]
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
             eos_token_ids=self.eos_token_ids,
         )
-        return self.sample(x, [sampling_row])
+        return self.sample(x, [sampling_row], self._mask(grammar) if grammar is not None else None)
 
+    def _mask(self, grammar: Any) -> TokenMask:
+        if self._bitmask is None:
+            self._bitmask = self.structured.ensure_manager().allocate_bitmask(1)
+        bitmask = self._bitmask
 
-def _history_matters(seq: Sequence) -> bool:
-    """Penalties or a pending min_tokens ban: the pick depends on the output so far, as the sampler applies."""
-    params = seq.params
-    return (
-        params.repetition_penalty != 1.0
-        or bool(params.frequency_penalty)
-        or bool(params.presence_penalty)
-        or len(seq.output_token_ids) < params.min_tokens
-    )
+        def fill(rows: list[int]) -> None:
+            failures = self.structured.ensure_manager().fill_bitmask([(grammar, 0)], bitmask)
+            if failures:
+                raise failures[0][1]
+
+        check = {0: lambda token: grammar.validate_tokens((token,)) == 1}
+        return TokenMask(bitmask=bitmask, rows=[0], unfilled=check, fill=fill)
 
 
 def _eligible(seq: Sequence) -> bool:
