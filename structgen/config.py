@@ -105,6 +105,29 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True, kw_only=True)
+class LoRAConfig:
+    """Serving LoRA adapters (`structgen.lora`), in vLLM's terms.
+
+    `max_loras` adapters sit in the model's slots at once, and one step carries rows of all of them and of the
+    base model; registered adapters beyond that keep a CPU copy and are swapped in (least recently used out)
+    when a request needs them. `max_lora_rank` bounds every module's rank (the slots are that wide).
+    `max_cpu_loras` caps how many adapters are registered at all (None: no cap).
+    """
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass(slots=True, kw_only=True)
 class SchedulerConfig:
     """Per-step limits of the continuous-batching scheduler.
 
@@ -159,6 +182,8 @@ class EngineConfig:
     thinking_token_budget: int | None = None
     # Speculative decoding (`SpeculativeConfig`, or its dict / JSON text); None: off.
     speculative_config: SpeculativeConfig | dict[str, object] | str | None = None
+    # LoRA adapters served beside the base model (`structgen.lora`); None: requests cannot name an adapter.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -173,5 +198,7 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet")
         if self.quantization not in ("auto", "int4", "none"):
             raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")

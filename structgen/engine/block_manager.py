@@ -55,7 +55,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref count 0 and not registered
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, registered; oldest first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
-        # Anything that changes the KV for the same tokens (the model, later a LoRA) goes into the root hash.
+        # Anything that changes the KV for the same tokens goes into the root hash: the model, and a sequence's
+        # LoRA adapter (`_root_of`).
         self._root_hash = hashlib.sha256(f"structgen-kv:{cache_salt}".encode()).digest()
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -91,10 +92,16 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[i - 1] if i else self._root_hash
+            parent = hashes[i - 1] if i else self._root_of(seq)
             tokens = array("q", seq.token_ids[i * bs : (i + 1) * bs]).tobytes()
             hashes.append(hashlib.sha256(parent + tokens).digest())
         return hashes[index]
+
+    def _root_of(self, seq: Sequence) -> bytes:
+        """The root hash of `seq`'s chain: the model's, or under a LoRA adapter one of that adapter's own."""
+        if seq.lora is None:
+            return self._root_hash
+        return hashlib.sha256(self._root_hash + seq.lora.cache_key).digest()
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """The longest chain of cached blocks matching `seq`'s leading full blocks.

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from structgen.distributed import TensorParallelGroup
+    from structgen.lora.manager import LoRAManager
+    from structgen.lora.request import LoRARequest
     from structgen.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,11 @@ class LLMEngine:
             get_reasoning_parser(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
         )
         dtype = next(model.parameters()).dtype
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            from structgen.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(model, config.lora)  # after the kernels: it wraps them
 
         block_size = config.cache.block_size
         self.runner = ModelRunner(
@@ -128,6 +135,7 @@ class LLMEngine:
             sampler=Sampler(generator=make_generator(config.seed, self.device)),
             enforce_eager=config.enforce_eager,
         )
+        self.runner.lora_step = self.lora.step if self.lora is not None else None
         if self.tp_group is not None:
             num_blocks = self.tp_group.agree_num_blocks(self.runner, config, max_model_len=self.max_model_len)
             self.runner.step_sender = self.tp_group.send_step
@@ -140,7 +148,12 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt
         )
-        self.scheduler = Scheduler(sched_config, self.block_manager, fork_generator=self._fork_generator)
+        self.scheduler = Scheduler(
+            sched_config,
+            self.block_manager,
+            fork_generator=self._fork_generator,
+            max_loras=config.lora.max_loras if config.lora is not None else None,
+        )
         self.structured = StructuredOutputs(
             tokenizer, vocab_size=self.vocab_size, config=config.structured, device=self.device
         )
@@ -204,11 +217,13 @@ class LLMEngine:
         ready: Callable[[], bool] | None = None,
         arrival_time: float | None = None,
         reasoning: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. `stream=False`: `step()` reports it only when finished. `ready`: the request waits
         (`WAITING_FOR_GRAMMAR`) until `ready()` is true, without holding up others. `reasoning=False`: no
         reasoning phase even with a reasoning parser on the engine (a raw completion: any grammar applies from the
-        first token and the whole output is `text`).
+        first token and the whole output is `text`). `lora_request`: run with that LoRA adapter (loaded from its
+        path when the engine does not hold it yet; `structgen.lora.LoRAError` when it cannot be served).
 
         Raises ValueError for a duplicate id, an empty or out-of-vocabulary prompt, or a request that can never
         fit (prompt + max_tokens beyond the model context or the whole KV cache).
@@ -226,6 +241,13 @@ class LLMEngine:
         )
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
+        lora = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    "this engine serves no LoRA adapters: start it with enable_lora / --enable-lora"
+                )
+            lora = self.lora.resolve(lora_request)
         request = Request(request_id, text, token_ids, params, stream=stream, arrival_time=arrival_time)
         seq = Sequence(
             next(self._seq_ids),
@@ -237,6 +259,7 @@ class LLMEngine:
             ready=ready,
             num_forks=params.n - 1,
         )
+        seq.lora = lora
         if self.reasoning_parser is not None and reasoning:
             seq.reasoning = new_state(
                 self.reasoning_parser,
@@ -300,7 +323,11 @@ class LLMEngine:
             return self._collect_outputs(ended_seqs)
         self._note_scheduled(batch)
         self.structured.prepare(batch.sample_seqs)
+        if self.lora is not None:
+            self.lora.prepare(batch.seqs, batch.num_new_tokens)
         sampled, failed = self.runner.execute(batch, logits_processor=self.logits_processor, spec=spec)
+        if self.lora is not None:
+            self.lora.finish_step()
         proposals = speculator.take_back(batch, spec) if spec and speculator is not None else {}
         self.scheduler.update(batch)
         self.counters.num_steps += 1

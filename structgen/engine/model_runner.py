@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -74,6 +74,9 @@ class ModelRunner:
         self.step_sender: Callable[[StepInput], None] | None = None
         # The last step's logits after each proposal of its speculating sequences (`execute`'s `spec`).
         self.spec_logits: dict[int, torch.Tensor] = {}
+        # With LoRA adapters (`structgen.lora.layers.LoRAStep`): a step with adapter rows runs eagerly (the CUDA
+        # graphs were captured without them).
+        self.lora_step: Any = None
 
     # -- KV cache ----------------------------------------------------------------------------------------------
 
@@ -259,7 +262,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         graphs = self.cuda_graphs
         # Tensor-parallel workers run their forward eagerly; rank 0 must issue the same collectives.
-        if graphs is not None and self.step_sender is None and graphs.can_run(metadata):
+        lora = self.lora_step
+        if (
+            graphs is not None
+            and self.step_sender is None
+            and (lora is None or not lora.active)
+            and graphs.can_run(metadata)
+        ):
             return graphs.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 

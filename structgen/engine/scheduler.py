@@ -62,8 +62,12 @@ class Scheduler:
         *,
         fork_generator: GeneratorFactory | None = None,
         watermark: float = 0.01,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        # With LoRA: the most distinct adapters the running sequences may use at once (the model's slots); a
+        # waiting sequence of another adapter waits until one of them has no running sequence left.
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -142,6 +146,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
         bm = self.block_manager
         skipped: list[Sequence] = []
+        loras = {s.lora for s in self.running if s.lora is not None} if self.max_loras is not None else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
@@ -150,6 +155,14 @@ class Scheduler:
                 else:
                     skipped.append(self.waiting.popleft())
                     continue
+            if (
+                self.max_loras is not None
+                and seq.lora is not None
+                and seq.lora not in loras
+                and len(loras) >= self.max_loras
+            ):
+                skipped.append(self.waiting.popleft())  # every slot is taken by adapters still running
+                continue
             if len(self.running) + len(forked) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             cached = bm.find_cached_prefix(seq)
@@ -167,6 +180,8 @@ class Scheduler:
             copies = bm.allocate_slots(seq, num_new)
             assert copies == [], "a freshly admitted sequence shares no partial block"
             seq.status = SequenceStatus.RUNNING
+            if seq.lora is not None:
+                loras.add(seq.lora)
             self.running.append(seq)
             out.newly_scheduled.append(seq)
             budget -= self._schedule(out, seq, num_new, copies, forked)

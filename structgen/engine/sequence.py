@@ -69,6 +69,7 @@ class Sequence:
         "generator",
         "index",
         "logprobs",
+        "lora",
         "max_tokens",
         "num_committed_blocks",
         "num_computed_tokens",
@@ -141,6 +142,8 @@ class Sequence:
         # With a reasoning parser: where the output stands between reasoning and answer
         # (`structgen.engine.reasoning.ReasoningState`); None without one.
         self.reasoning: Any = None
+        # The LoRA adapter it runs with (`structgen.lora.manager.ServedLoRA`), None for the base model.
+        self.lora: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -192,6 +195,7 @@ class Sequence:
         # Each sample walks its own copy of the grammar from the parent's state.
         child.structured = self.structured.fork() if self.structured is not None else None
         child.reasoning = self.reasoning.copy() if self.reasoning is not None else None
+        child.lora = self.lora
         return child
 
 

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ class FlatLlamaForward:
         self.attend = model.layers[0].self_attn.attn_backend.forward
         self.layers = [_flat_layer(layer) for layer in model.layers]
         self.native_decode = NativeDecodeStep.build(model, self.layers)  # None where it does not apply
+        # With LoRA adapters attached (`structgen.lora.layers`): steps with adapter rows take the loop below,
+        # whose projections add them; the all-native decode call knows only the base weights.
+        self.lora_step: Any = None
 
     def __call__(
         self,
@@ -67,7 +71,12 @@ class FlatLlamaForward:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         native = self.native_decode
-        if native is not None and 0 < hidden.shape[0] <= native.max_rows:
+        lora = self.lora_step
+        if (
+            native is not None
+            and 0 < hidden.shape[0] <= native.max_rows
+            and (lora is None or not lora.active)
+        ):
             if metadata.is_decode:
                 return native(hidden, cos, sin, kv_caches, metadata)
             rows = _decode_rows_only(metadata)
@@ -134,6 +143,9 @@ class NativeDecodeStep:
             weights += [layer.input_norm, layer.post_norm]
             eps += [layer.input_eps, layer.post_eps]
             for kernel in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                kernel = getattr(
+                    kernel, "base", kernel
+                )  # a LoRA wrapper's own kernel (structgen.lora.layers)
                 if not isinstance(kernel, QuantizedSmallBatches) or not isinstance(kernel.gemv, WoqGemv):
                     return None
                 packed = kernel.gemv.weight

@@ -1,0 +1,193 @@
+"""The batched LoRA product: every projection adds the adapters of a step's rows in one pass, no weights merged.
+
+Each adapted projection keeps `max_loras` slots of zero-padded weights (`a`: [slots, parts, rank, in], and per
+part `b`: [slots, rank, out]; the scaling is already in `b`). A step that carries adapter rows sets `LoRAStep`:
+the contiguous slot range its rows use and a one-hot mask of each token's slot there (base-model tokens: all
+zeros). The product is then two dense matmuls over that range whatever the mix of adapters: the shrink
+`x @ a[lo:hi]^T` ([tokens, slots x parts x rank]), the mask zeroing every slot but the token's own, and per part
+the expand into that part's output columns. A step without adapter rows pays one attribute check per projection;
+at SmolLM2's sizes 4 slots of rank 16 add ~18% of a step's products where every slot is in use (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from structgen.lora.adapter import LoRAModule, TargetShapes
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """Which adapter slot each of this step's tokens uses; shared by every `LoRALinear` of the model."""
+
+    mask: torch.Tensor | None = (
+        None  # [tokens, hi - lo, 1, 1] one-hot in the model's dtype; None: no adapters
+    )
+    lo: int = 0
+    hi: int = 0
+    slots: frozenset[int] = frozenset()
+    # Every token uses the single slot lo: the mask would multiply by one.
+    uniform: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.mask is not None
+
+    def set(self, token_slots: list[int], *, dtype: torch.dtype, device: torch.device) -> None:
+        """`token_slots[i]`: the slot of token i of the step's flattened batch, -1 for the base model."""
+        used = {s for s in token_slots if s >= 0}
+        if not used:
+            self.clear()
+            return
+        self.lo, self.hi = min(used), max(used) + 1
+        self.slots = frozenset(used)
+        self.uniform = len(used) == 1 and min(token_slots) >= 0
+        index = torch.tensor(token_slots, dtype=torch.long) - self.lo
+        span = torch.arange(self.hi - self.lo, dtype=torch.long)
+        mask = (index[:, None] == span[None, :]).to(dtype)
+        self.mask = mask.view(len(token_slots), self.hi - self.lo, 1, 1).to(device)
+
+    def clear(self) -> None:
+        self.mask, self.slots, self.uniform = None, frozenset(), False
+
+
+@dataclass(slots=True)
+class LoRALinear:
+    """A projection's kernel plus the LoRA slots of its parts (q/k/v of a fused qkv, gate/up, or one)."""
+
+    base: Linear
+    step: LoRAStep
+    a: torch.Tensor  # [slots, parts, rank, in]
+    b: list[torch.Tensor]  # per part [slots, rank, out]
+    offsets: list[int]  # each part's first output column
+    filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
+
+    @classmethod
+    def build(
+        cls,
+        base: Linear,
+        step: LoRAStep,
+        parts: tuple[tuple[int, int], ...],
+        *,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoRALinear:
+        in_features = parts[0][0]
+        offsets, start = [], 0
+        for _, out in parts:
+            offsets.append(start)
+            start += out
+        return cls(
+            base=base,
+            step=step,
+            a=torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device),
+            b=[torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device) for _, out in parts],
+            offsets=offsets,
+            filled=[set() for _ in parts],
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.step
+        if step.mask is None or x.dim() != 2:
+            return y
+        parts = [p for p, slots in enumerate(self.filled) if not slots.isdisjoint(step.slots)]
+        if not parts:
+            return y
+        lo, hi = step.lo, step.hi
+        tokens, n = x.shape[0], hi - lo
+        a = self.a[lo:hi]
+        num_parts, rank = a.shape[1], a.shape[2]
+        shrunk = torch.mm(x.to(a.dtype), a.view(-1, a.shape[-1]).t())  # [tokens, n * parts * rank]
+        if not step.uniform:
+            shrunk = shrunk.view(tokens, n, num_parts, rank).mul_(step.mask)
+        shrunk = shrunk.view(tokens, n, num_parts, rank)
+        for p in parts:
+            b = self.b[p][lo:hi]
+            width = b.shape[-1]
+            rows = shrunk[:, :, p, :].reshape(tokens, n * rank)
+            update = torch.mm(rows, b.view(n * rank, width))
+            if len(self.offsets) == 1:
+                y.add_(update.to(y.dtype))
+            else:
+                y.narrow(1, self.offsets[p], width).add_(update.to(y.dtype))
+        return y
+
+    def load(self, slot: int, modules: list[LoRAModule | None]) -> None:
+        """Put an adapter's parts into `slot` (None: the adapter leaves that part alone)."""
+        self.clear(slot)
+        for p, module in enumerate(modules):
+            if module is None:
+                continue
+            rank = module.rank
+            self.a[slot, p, :rank].copy_(module.a)
+            self.b[p][slot, :rank].copy_(module.b.t())
+            self.filled[p].add(slot)
+
+    def clear(self, slot: int) -> None:
+        for p, slots in enumerate(self.filled):
+            if slot in slots:
+                self.a[slot, p].zero_()
+                self.b[p][slot].zero_()
+                slots.discard(slot)
+
+
+# The model's projections an adapter can reach, by the attribute path inside a decoder layer.
+_PROJECTIONS = {
+    "qkv_proj": ("self_attn", "qkv_proj"),
+    "o_proj": ("self_attn", "o_proj"),
+    "gate_up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
+
+
+def attach_lora_layers(
+    model: nn.Module, step: LoRAStep, shapes: TargetShapes, *, num_slots: int, max_rank: int
+) -> dict[tuple[int, str], LoRALinear]:
+    """Wrap every adaptable projection's kernel of `model` (a Llama-style `...ForCausalLM`) in a `LoRALinear`;
+    {(layer, fused name): wrapper}. Wrappers from an earlier call are replaced, not stacked. A flat forward
+    (`structgen.models.llama_flat`) bound to the old kernels is rebuilt, and told about the step so it keeps
+    its all-native decode path for steps without adapter rows."""
+    weight = next(model.parameters())
+    wrappers: dict[tuple[int, str], LoRALinear] = {}
+    for index, layer in enumerate(model.model.layers):
+        for fused, (block, attr) in _PROJECTIONS.items():
+            module = getattr(getattr(layer, block), attr)
+            kernel = module.kernel
+            if isinstance(kernel, LoRALinear):
+                kernel = kernel.base
+            base = kernel if kernel is not None else _dense(module.weight)
+            wrapper = LoRALinear.build(
+                base,
+                step,
+                shapes.parts[fused],
+                num_slots=num_slots,
+                max_rank=max_rank,
+                dtype=weight.dtype,
+                device=weight.device,
+            )
+            module.kernel = wrapper
+            wrappers[(index, fused)] = wrapper
+    decoder = model.model
+    if getattr(decoder, "flat_forward", None) is not None:
+        from structgen.models.llama_flat import enable_flat_forward
+
+        enable_flat_forward(model)
+        decoder.flat_forward.lora_step = step
+    return wrappers
+
+
+def _dense(weight: torch.Tensor) -> Linear:
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    return linear
