@@ -67,26 +67,30 @@ class LoRAManager:
     def add(self, request: LoRARequest) -> ServedLoRA:
         """Load and register the adapter at `request.lora_path` under its name; LoRAError when it cannot be
         served or the name is taken by another adapter (the same name and path again is a no-op)."""
-        existing = self._served.get(request.lora_name)
-        if existing is not None:
-            if request.lora_path and _same_path(request.lora_path, existing.adapter.path):
-                return existing
-            raise LoRAError(
-                f"a LoRA adapter named {request.lora_name!r} is already loaded (from {existing.adapter.path}); "
-                "unload it first"
-            )
+        existing = self._check_new(request)
+        return existing if existing is not None else self.register(request, self.read(request))
+
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check the adapter's files (LoRAError naming what is wrong). Touches no engine state, so a
+        server runs it off the step thread and hands the result to `register` there."""
         if not request.lora_path:
             raise LoRAError(f"no LoRA adapter named {request.lora_name!r} is loaded", status=404)
-        limit = self.config.max_cpu_loras
-        if limit is not None and len(self._served) >= limit:
-            raise LoRAError(f"{limit} LoRA adapters are loaded already (max_cpu_loras); unload one first")
-        adapter = load_adapter(
+        return load_adapter(
             request.lora_name,
             request.lora_path,
             self.shapes,
             max_rank=self.config.max_lora_rank,
             dtype=self.dtype,
         )
+
+    def register(self, request: LoRARequest, adapter: LoRAAdapter) -> ServedLoRA:
+        """Serve `adapter` (from `read`) under the request's name."""
+        existing = self._check_new(request)
+        if existing is not None:
+            return existing
+        limit = self.config.max_cpu_loras
+        if limit is not None and len(self._served) >= limit:
+            raise LoRAError(f"{limit} LoRA adapters are loaded already (max_cpu_loras); unload one first")
         served = ServedLoRA(
             request=request,
             adapter=adapter,
@@ -101,6 +105,18 @@ class LoRAManager:
             ", ".join(adapter.target_modules),
         )
         return served
+
+    def _check_new(self, request: LoRARequest) -> ServedLoRA | None:
+        """The registered adapter when the same name and path come again; LoRAError when the name is taken."""
+        existing = self._served.get(request.lora_name)
+        if existing is None:
+            return None
+        if request.lora_path and _same_path(request.lora_path, existing.adapter.path):
+            return existing
+        raise LoRAError(
+            f"a LoRA adapter named {request.lora_name!r} is already loaded (from {existing.adapter.path}); "
+            "unload it first"
+        )
 
     def resolve(self, request: LoRARequest) -> ServedLoRA:
         """The registered adapter a request names, loading it from its path on first use."""
