@@ -1,7 +1,8 @@
 """structgen: serve open LLMs so that every answer conforms to a schema.
 
-`from structgen import LLM, SamplingParams` is the offline API. The heavy modules (torch, the engine) are
-imported on first use so that `import structgen` stays cheap for the client and the CLI's help.
+`from structgen import LLM, SamplingParams` is the offline API (`LoRARequest` names an adapter for it). The
+heavy modules (torch, the engine) are imported on first use so that `import structgen` stays cheap for the client
+and the CLI's help.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from structgen.engine.llm import LLM
+    from structgen.lora.request import LoRARequest
     from structgen.sampling_params import SamplingParams
 
 
@@ -22,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from structgen.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from structgen.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from structgen.sampling_params import SamplingParams
 

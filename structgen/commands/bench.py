@@ -41,6 +41,7 @@ BENCHMARKS = {
         "reasoning",
         "a JSON schema after a <think> budget vs from the first token (tiny-thinking; SmolLM2 has no markers)",
     ),
+    "lora": ("lora", "32 requests over 4 random LoRA adapters (rank 16, every projection) vs the base model"),
 }
 
 EPILOG = "benchmarks:\n" + "\n".join(f"  {name:<11} {what}" for name, (_, what) in BENCHMARKS.items())

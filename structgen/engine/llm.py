@@ -6,11 +6,12 @@ import itertools
 import sys
 from typing import TYPE_CHECKING, Any
 
-from structgen.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from structgen.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.outputs import RequestOutput
 from structgen.engine.progress import progress_bar
+from structgen.lora.request import LoRARequest
 from structgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,12 +45,19 @@ class LLM:
         reasoning_parser: str | None = None,
         thinking_token_budget: int | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         """`reasoning_parser` ("qwen3", "deepseek_r1"): each output's `<think>` reasoning lands in `.reasoning`,
         the answer alone in `.text`, and a structured request's grammar starts after the reasoning;
         `thinking_token_budget`: the reasoning budget of requests whose SamplingParams set none.
         `speculative_config` (`{"method": "ngram", "num_speculative_tokens": 3}`): speculative decoding of
-        greedy requests (`structgen.engine.speculative`)."""
+        greedy requests (`structgen.engine.speculative`).
+        `enable_lora`: requests may name a PEFT LoRA adapter (`lora_request=LoRARequest(name, id, path)`);
+        `max_loras` of them run in one batch, each of rank <= `max_lora_rank`; `max_cpu_loras` caps how many
+        are held at all (`structgen.config.LoRAConfig`)."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -75,6 +83,11 @@ class LLM:
             reasoning_parser=reasoning_parser,
             thinking_token_budget=thinking_token_budget,
             speculative_config=speculative_config,
+            lora=(
+                LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+                if enable_lora
+                else None
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -93,12 +106,14 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         reasoning: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in input order. `params` is shared or one per prompt.
 
         `use_tqdm` shows a progress bar (default: for 8+ prompts when stderr is a terminal). `reasoning=False`:
         no reasoning phase even with a reasoning parser (the whole output is `text` and any grammar applies from
-        its first token), as the server's `/v1/completions` treats raw prompts.
+        its first token), as the server's `/v1/completions` treats raw prompts. `lora_request`: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model), as vLLM takes it; needs `enable_lora`.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -111,7 +126,8 @@ class LLM:
             param_list = params
         else:
             param_list = [params if params is not None else SamplingParams()] * len(prompt_list)
-        return self._run(prompt_list, param_list, use_tqdm=use_tqdm, reasoning=reasoning)
+        loras = self._lora_requests(lora_request, len(prompt_list))
+        return self._run(prompt_list, param_list, loras, use_tqdm=use_tqdm, reasoning=reasoning)
 
     def chat(
         self,
@@ -124,6 +140,7 @@ class LLM:
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a batch of them, via the chat template.
@@ -131,7 +148,8 @@ class LLM:
         With `tools` (OpenAI tool definitions) the calls are grammar-enforced as `tool_choice` says (default
         "auto") and each finished output is a `ToolCompletionOutput` carrying `content` and `tool_calls`.
         `chat_template_kwargs` (vLLM's name, e.g. `{"enable_thinking": False}`) and any other keyword arguments
-        are passed to the chat template; the dict wins where both name a variable.
+        are passed to the chat template; the dict wins where both name a variable. `lora_request`: as `generate`'s,
+        one adapter for every conversation or one per conversation.
         """
         from structgen.tools.outputs import with_tool_calls
         from structgen.tools.plan import ToolCallPlan
@@ -161,13 +179,14 @@ class LLM:
             )
             token_ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        results = self.generate(prompts, params, use_tqdm=use_tqdm)
+        results = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         return results if plan is None else [with_tool_calls(r, plan.parse) for r in results]
 
     def _run(
         self,
         prompts: list[PromptInput],
         params: list[SamplingParams],
+        loras: list[LoRARequest | None],
         *,
         use_tqdm: bool | None,
         reasoning: bool,
@@ -175,8 +194,10 @@ class LLM:
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(request_id, prompt, p, stream=False, reasoning=reasoning)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                engine.add_request(
+                    request_id, prompt, p, stream=False, reasoning=reasoning, lora_request=lora
+                )
         except Exception:
             engine.abort(ids)
             raise
@@ -195,3 +216,19 @@ class LLM:
                 engine.abort(ids)
                 raise
         return [results[request_id] for request_id in ids]
+
+    def _lora_requests(
+        self, lora_request: LoRARequest | list[LoRARequest | None] | None, count: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; ValueError before any request is queued when they cannot run."""
+        requests = lora_request if isinstance(lora_request, list) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError(f"got {len(requests)} LoRA requests for {count} prompts")
+        for request in requests:
+            if request is not None and not isinstance(request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest or None, got {type(request).__name__}")
+        if self.engine.lora is None and any(r is not None for r in requests):
+            raise ValueError(
+                "a lora_request needs an engine that serves LoRA adapters: create the LLM with enable_lora=True"
+            )
+        return requests
