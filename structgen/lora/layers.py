@@ -27,20 +27,20 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 class LoRAStep:
     """Which adapter slot each of this step's tokens uses; shared by every `LoRALinear` of the model."""
 
-    mask: torch.Tensor | None = (
-        None  # [tokens, hi - lo, 1, 1] one-hot in the model's dtype; None: no adapters
+    token_slots: torch.Tensor | None = (
+        None  # [tokens] int32 on the model's device, -1: base; None: no adapters
     )
-    lo: int = 0
+    lo: int = 0  # the step's slots lie in lo..hi-1
     hi: int = 0
     slots: frozenset[int] = frozenset()
-    # Every token uses the single slot lo: the mask would multiply by one.
-    uniform: bool = False
+    uniform: bool = False  # every token uses the single slot lo: the dense path needs no mask
+    _mask: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
-        return self.mask is not None
+        return self.token_slots is not None
 
-    def set(self, token_slots: list[int], *, dtype: torch.dtype, device: torch.device) -> None:
+    def set(self, token_slots: list[int], *, device: torch.device) -> None:
         """`token_slots[i]`: the slot of token i of the step's flattened batch, -1 for the base model."""
         used = {s for s in token_slots if s >= 0}
         if not used:
@@ -49,13 +49,21 @@ class LoRAStep:
         self.lo, self.hi = min(used), max(used) + 1
         self.slots = frozenset(used)
         self.uniform = len(used) == 1 and min(token_slots) >= 0
-        index = torch.tensor(token_slots, dtype=torch.long) - self.lo
-        span = torch.arange(self.hi - self.lo, dtype=torch.long)
-        mask = (index[:, None] == span[None, :]).to(dtype)
-        self.mask = mask.view(len(token_slots), self.hi - self.lo, 1, 1).to(device)
+        self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device)
+        self._mask = None
 
     def clear(self) -> None:
-        self.mask, self.slots, self.uniform = None, frozenset(), False
+        self.token_slots, self._mask, self.slots, self.uniform = None, None, frozenset(), False
+
+    def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, hi - lo, 1, 1]: one where a token uses that slot (built once a step, for the torch path)."""
+        if self._mask is None or self._mask.dtype != dtype:
+            assert self.token_slots is not None
+            index = self.token_slots.long() - self.lo
+            span = torch.arange(self.hi - self.lo, device=index.device)
+            mask = (index[:, None] == span[None, :]).to(dtype)
+            self._mask = mask.view(len(index), self.hi - self.lo, 1, 1)
+        return self._mask
 
 
 @dataclass(slots=True)
@@ -67,7 +75,9 @@ class LoRALinear:
     a: torch.Tensor  # [slots, parts, rank, in]
     b: list[torch.Tensor]  # per part [slots, rank, out]
     offsets: list[int]  # each part's first output column
+    ranks: torch.Tensor  # [slots, parts] int32 (CPU): each slot's rank per part, 0 where it has none
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
+    native: bool = False  # the segmented CPU kernel (`kernels/cpu_lora.py`), else the dense torch path
 
     @classmethod
     def build(
@@ -80,6 +90,7 @@ class LoRALinear:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        native: bool,
     ) -> LoRALinear:
         in_features = parts[0][0]
         offsets, start = [], 0
@@ -92,34 +103,39 @@ class LoRALinear:
             a=torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device),
             b=[torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device) for _, out in parts],
             offsets=offsets,
+            ranks=torch.zeros(num_slots, len(parts), dtype=torch.int32),
             filled=[set() for _ in parts],
+            native=native,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if step.mask is None or x.dim() != 2:
+        if step.token_slots is None or x.dim() != 2 or all(f.isdisjoint(step.slots) for f in self.filled):
             return y
-        parts = [p for p, slots in enumerate(self.filled) if not slots.isdisjoint(step.slots)]
-        if not parts:
+        if self.native and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == self.a.dtype == y.dtype:
+            torch.ops.structgen_cpu.lora_add(x, y, self.a, self.b, self.offsets, step.token_slots, self.ranks)
             return y
+        return self._dense(x, y)
+
+    def _dense(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Every slot of the step's range for every token, the others masked to zero: two matmuls whatever the
+        mix of adapters (the GPU's and the no-compiler path; the CPU kernel reads each token's own slot)."""
+        step = self.step
         lo, hi = step.lo, step.hi
         tokens, n = x.shape[0], hi - lo
         a = self.a[lo:hi]
         num_parts, rank = a.shape[1], a.shape[2]
-        shrunk = torch.mm(x.to(a.dtype), a.view(-1, a.shape[-1]).t())  # [tokens, n * parts * rank]
+        shrunk = torch.mm(x.to(a.dtype), a.view(-1, a.shape[-1]).t()).view(tokens, n, num_parts, rank)
         if not step.uniform:
-            shrunk = shrunk.view(tokens, n, num_parts, rank).mul_(step.mask)
-        shrunk = shrunk.view(tokens, n, num_parts, rank)
-        for p in parts:
+            shrunk.mul_(step.dense_mask(shrunk.dtype))
+        for p, slots in enumerate(self.filled):
+            if slots.isdisjoint(step.slots):
+                continue
             b = self.b[p][lo:hi]
             width = b.shape[-1]
-            rows = shrunk[:, :, p, :].reshape(tokens, n * rank)
-            update = torch.mm(rows, b.view(n * rank, width))
-            if len(self.offsets) == 1:
-                y.add_(update.to(y.dtype))
-            else:
-                y.narrow(1, self.offsets[p], width).add_(update.to(y.dtype))
+            update = torch.mm(shrunk[:, :, p, :].reshape(tokens, n * rank), b.view(n * rank, width))
+            y.narrow(1, self.offsets[p], width).add_(update.to(y.dtype))
         return y
 
     def load(self, slot: int, modules: list[LoRAModule | None]) -> None:
@@ -131,6 +147,7 @@ class LoRALinear:
             rank = module.rank
             self.a[slot, p, :rank].copy_(module.a)
             self.b[p][slot, :rank].copy_(module.b.t())
+            self.ranks[slot, p] = rank
             self.filled[p].add(slot)
 
     def clear(self, slot: int) -> None:
@@ -138,6 +155,7 @@ class LoRALinear:
             if slot in slots:
                 self.a[slot, p].zero_()
                 self.b[p][slot].zero_()
+                self.ranks[slot, p] = 0
                 slots.discard(slot)
 
 
@@ -158,6 +176,9 @@ def attach_lora_layers(
     (`structgen.models.llama_flat`) bound to the old kernels is rebuilt, and told about the step so it keeps
     its all-native decode path for steps without adapter rows."""
     weight = next(model.parameters())
+    native = (
+        weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _kernel_loads()
+    )
     wrappers: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.model.layers):
         for fused, (block, attr) in _PROJECTIONS.items():
@@ -174,6 +195,7 @@ def attach_lora_layers(
                 max_rank=max_rank,
                 dtype=weight.dtype,
                 device=weight.device,
+                native=native,
             )
             module.kernel = wrapper
             wrappers[(index, fused)] = wrapper
@@ -184,6 +206,12 @@ def attach_lora_layers(
         enable_flat_forward(model)
         decoder.flat_forward.lora_step = step
     return wrappers
+
+
+def _kernel_loads() -> bool:
+    from structgen.kernels import cpu_lora
+
+    return cpu_lora.available()
 
 
 def _dense(weight: torch.Tensor) -> Linear:

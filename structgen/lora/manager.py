@@ -160,7 +160,7 @@ class LoRAManager:
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             slot = seq.lora.slot if seq.lora is not None else -1
             token_slots.extend([slot] * n)
-        self.step.set(token_slots, dtype=self.dtype, device=self.device)
+        self.step.set(token_slots, device=self.device)
 
     def finish_step(self) -> None:
         """After the forward: no projection may add adapters to a later forward that did not ask for them

@@ -1,0 +1,267 @@
+// lora_add: the LoRA products of a step's tokens added into a projection's output, each token with its own
+// adapter (segmented by slot, as punica's SGMV does on GPUs): y[t, part p] += B[s, p] (A[s, p] x[t]) for the
+// slot s of token t, nothing for tokens of the base model (slot -1). Each token reads only its own adapter's
+// weights, and only the first `ranks[s, p]` rank rows of them (the slots are zero-padded to the widest rank), so
+// a step's cost is its tokens' own ranks, not the slots' count times the widest rank as a dense product over all
+// slots would be. Accumulates in float; y is rounded once. The reference is `structgen.lora.layers` (torch).
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace structgen_cpu {
+namespace {
+
+// Tokens are grouped by slot and taken in tiles of up to kTile tokens of one slot: a tile reads its adapter's
+// weights once for all its tokens (each weight row feeds kTile accumulators), which is what makes the product
+// compute-bound instead of a stream of weight reloads per token.
+constexpr int kTile = 8;
+
+struct Tile {
+  int32_t slot;
+  int32_t count;
+  const int64_t* tokens;  // `count` token indices, all of slot `slot`
+};
+
+template <typename T>
+inline void to_float(const typename Elem<T>::storage* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+template <typename T>
+inline __m512 load16(const typename Elem<T>::storage* p, __mmask16 m);
+
+template <>
+inline __m512 load16<float>(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+
+template <>
+inline __m512 load16<c10::BFloat16>(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <typename T>
+inline void store16(typename Elem<T>::storage* p, __m512 v, __mmask16 m);
+
+template <>
+inline void store16<float>(float* p, __m512 v, __mmask16 m) {
+  _mm512_mask_storeu_ps(p, m, v);
+}
+
+template <>
+inline void store16<c10::BFloat16>(uint16_t* p, __m512 v, __mmask16 m) {
+  // Round to nearest even, NaN kept NaN: Elem<BFloat16>::store, 16 lanes at once.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
+}
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
+
+// shrunk[t * max_rank + r] = A[r] . x[t] for the tile's N tokens (xf: N float rows of `in`).
+template <typename T, int N>
+inline void shrink(const typename Elem<T>::storage* a, int32_t rank, int64_t in, const float* xf, float* shrunk,
+                   int64_t max_rank) {
+  for (int32_t r = 0; r < rank; ++r) {
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    const typename Elem<T>::storage* row = a + r * in;
+    for (int64_t k = 0; k < in; k += 16) {
+      const __mmask16 m = lanes(in - k);
+      const __m512 av = load16<T>(row + k, m);
+      for (int t = 0; t < N; ++t) acc[t] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, xf + t * in + k), acc[t]);
+    }
+    for (int t = 0; t < N; ++t) shrunk[t * max_rank + r] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+// y[token t, columns] += sum_r shrunk[t, r] B[r, columns], rounded once.
+template <typename T, int N>
+inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t width, const float* shrunk,
+                   int64_t max_rank, typename Elem<T>::storage* const* y_rows) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 m = lanes(width - j);
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    for (int32_t r = 0; r < rank; ++r) {
+      const __m512 bv = load16<T>(b + r * width + j, m);
+      for (int t = 0; t < N; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[t * max_rank + r]), bv, acc[t]);
+    }
+    for (int t = 0; t < N; ++t) {
+      typename Elem<T>::storage* out = y_rows[t] + j;
+      store16<T>(out, _mm512_add_ps(load16<T>(out, m), acc[t]), m);
+    }
+  }
+}
+
+#else  // portable loops: one token at a time, vectorized by the compiler where it can
+
+template <typename T, int N>
+inline void shrink(const typename Elem<T>::storage* a, int32_t rank, int64_t in, const float* xf, float* shrunk,
+                   int64_t max_rank) {
+  for (int t = 0; t < N; ++t)
+    for (int32_t r = 0; r < rank; ++r) {
+      const typename Elem<T>::storage* row = a + r * in;
+      const float* x = xf + t * in;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < in; ++k) acc += Elem<T>::load(row[k]) * x[k];
+      shrunk[t * max_rank + r] = acc;
+    }
+}
+
+template <typename T, int N>
+inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t width, const float* shrunk,
+                   int64_t max_rank, typename Elem<T>::storage* const* y_rows) {
+  std::vector<float> acc(width);
+  for (int t = 0; t < N; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int32_t r = 0; r < rank; ++r) {
+      const float s = shrunk[t * max_rank + r];
+      const typename Elem<T>::storage* row = b + r * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) acc[j] += s * Elem<T>::load(row[j]);
+    }
+    typename Elem<T>::storage* out = y_rows[t];
+    for (int64_t j = 0; j < width; ++j) out[j] = Elem<T>::store(Elem<T>::load(out[j]) + acc[j]);
+  }
+}
+
+#endif
+
+struct Problem {
+  int64_t in, num_parts, max_rank, x_stride, y_stride;
+  const void* a;
+  std::vector<const void*> b;
+  std::vector<int64_t> widths, offsets;
+  const int32_t* ranks;
+};
+
+template <typename T, int N>
+void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::storage* xs,
+              typename Elem<T>::storage* ys, float* xf, float* shrunk) {
+  using S = typename Elem<T>::storage;
+  S* y_rows[N];
+  for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
+  for (int64_t p = 0; p < pr.num_parts; ++p) {
+    const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
+    if (rank == 0) continue;
+    const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
+    shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
+    const int64_t width = pr.widths[p];
+    const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.max_rank * width;
+    for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
+    expand<T, N>(b, rank, width, shrunk, pr.max_rank, y_rows);
+  }
+}
+
+template <typename T>
+void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int32_t* slots, int64_t num_slots) {
+  using S = typename Elem<T>::storage;
+  const int64_t tokens = x.size(0);
+  // Counting sort of the tokens by slot, then tiles of up to kTile tokens of one slot.
+  std::vector<int64_t> start(num_slots + 1, 0), order(tokens);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) ++start[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) start[s + 1] += start[s];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= 0) order[fill[slots[t]]++] = t;
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t i = start[s]; i < start[s + 1]; i += kTile)
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(std::min<int64_t>(kTile, start[s + 1] - i)),
+                       order.data() + i});
+  const S* xs = reinterpret_cast<const S*>(x.data_ptr());
+  S* ys = reinterpret_cast<S*>(y.data_ptr());
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(kTile * pr.in), shrunk(kTile * pr.max_rank);
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile& tile = tiles[i];
+      switch (tile.count) {
+        case 1: run_tile<T, 1>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 2: run_tile<T, 2>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 3: run_tile<T, 3>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 4: run_tile<T, 4>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 5: run_tile<T, 5>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 6: run_tile<T, 6>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 7: run_tile<T, 7>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        default: run_tile<T, kTile>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [tokens, in]; y [tokens, out] (written in place; rows contiguous); a [slots, parts, max_rank, in]; b: per part
+// [slots, max_rank, width_p]; offsets: each part's first column in y; slots [tokens] int32 (-1: none);
+// ranks [slots, parts] int32 (0: the slot leaves that part alone). One dtype (float32 or bfloat16) for all.
+void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
+              const at::Tensor& slots, const at::Tensor& ranks) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [tokens, in], y [tokens, out]");
+  TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add: x and y rows must be contiguous");
+  TORCH_CHECK(a.dim() == 4 && a.is_contiguous() && a.size(3) == x.size(1),
+              "lora_add: a must be contiguous [slots, parts, rank, in]");
+  const int64_t num_slots = a.size(0), num_parts = a.size(1), max_rank = a.size(2);
+  TORCH_CHECK(static_cast<int64_t>(b.size()) == num_parts && static_cast<int64_t>(offsets.size()) == num_parts,
+              "lora_add: one b and one offset per part");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(y.scalar_type() == dtype && a.scalar_type() == dtype, "lora_add: x, y and a must share a dtype");
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> offs;
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const at::Tensor& bp = b[p];
+    TORCH_CHECK(bp.dim() == 3 && bp.is_contiguous() && bp.size(0) == num_slots && bp.size(1) == max_rank &&
+                    bp.scalar_type() == dtype,
+                "lora_add: each b must be contiguous [slots, rank, width] of x's dtype");
+    TORCH_CHECK(offsets[p] >= 0 && offsets[p] + bp.size(2) <= y.size(1), "lora_add: a part falls outside y");
+    parts.push_back(bp);
+    offs.push_back(offsets[p]);
+  }
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kInt &&
+                  slots.is_contiguous(),
+              "lora_add: slots must be contiguous int32 [tokens]");
+  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == num_slots && ranks.size(1) == num_parts &&
+                  ranks.scalar_type() == at::kInt && ranks.is_contiguous(),
+              "lora_add: ranks must be contiguous int32 [slots, parts]");
+  const int32_t* slot_ptr = slots.data_ptr<int32_t>();
+  const int32_t* rank_ptr = ranks.data_ptr<int32_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(slot_ptr[t] >= -1 && slot_ptr[t] < num_slots, "lora_add: slot out of range");
+  for (int64_t i = 0; i < num_slots * num_parts; ++i)
+    TORCH_CHECK(rank_ptr[i] >= 0 && rank_ptr[i] <= max_rank, "lora_add: rank out of range");
+  Problem pr{x.size(1), num_parts, max_rank, x.stride(0), y.stride(0), a.data_ptr(), {}, {}, offs, rank_ptr};
+  for (const at::Tensor& bp : parts) {
+    pr.b.push_back(bp.data_ptr());
+    pr.widths.push_back(bp.size(2));
+  }
+  if (dtype == at::kFloat) {
+    lora_rows<float>(x, y, pr, slot_ptr, num_slots);
+  } else if (dtype == at::kBFloat16) {
+    lora_rows<c10::BFloat16>(x, y, pr, slot_ptr, num_slots);
+  } else {
+    TORCH_CHECK(false, "lora_add: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace structgen_cpu
+
+TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
+  m.def(
+      "lora_add(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, int[] offsets, Tensor slots, Tensor ranks) -> ()");
+  m.impl("lora_add", c10::DispatchKey::CPU, &structgen_cpu::lora_add);
+}
