@@ -33,6 +33,7 @@ class LoRAStep:
     lo: int = 0  # the step's slots lie in lo..hi-1
     hi: int = 0
     slots: frozenset[int] = frozenset()
+    slot_bits: int = 0  # the step's slots as a bit set, checked by every projection on every call
     uniform: bool = False  # every token uses the single slot lo: the dense path needs no mask
     _mask: torch.Tensor | None = None
 
@@ -48,12 +49,19 @@ class LoRAStep:
             return
         self.lo, self.hi = min(used), max(used) + 1
         self.slots = frozenset(used)
+        self.slot_bits = sum(1 << s for s in used)
         self.uniform = len(used) == 1 and min(token_slots) >= 0
         self.token_slots = torch.tensor(token_slots, dtype=torch.int32).to(device)
         self._mask = None
 
     def clear(self) -> None:
-        self.token_slots, self._mask, self.slots, self.uniform = None, None, frozenset(), False
+        self.token_slots, self._mask, self.slots, self.slot_bits, self.uniform = (
+            None,
+            None,
+            frozenset(),
+            0,
+            False,
+        )
 
     def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, hi - lo, 1, 1]: one where a token uses that slot (built once a step, for the torch path)."""
@@ -77,6 +85,7 @@ class LoRALinear:
     offsets: list[int]  # each part's first output column
     ranks: torch.Tensor  # [slots, parts] int32 (CPU): each slot's rank per part, 0 where it has none
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
+    filled_bits: int = 0  # the slots holding weights in any part, as a bit set
     native: bool = False  # the segmented CPU kernel (`kernels/cpu_lora.py`), else the dense torch path
 
     @classmethod
@@ -111,8 +120,8 @@ class LoRALinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
-        if step.token_slots is None or x.dim() != 2 or all(f.isdisjoint(step.slots) for f in self.filled):
-            return y
+        if not self.filled_bits & step.slot_bits or x.dim() != 2:
+            return y  # no adapter rows in the step, or none of the step's adapters touches this projection
         if self.native and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == self.a.dtype == y.dtype:
             torch.ops.structgen_cpu.lora_add(x, y, self.a, self.b, self.offsets, step.token_slots, self.ranks)
             return y
@@ -149,6 +158,7 @@ class LoRALinear:
             self.b[p][slot, :rank].copy_(module.b.t())
             self.ranks[slot, p] = rank
             self.filled[p].add(slot)
+            self.filled_bits |= 1 << slot
 
     def clear(self, slot: int) -> None:
         for p, slots in enumerate(self.filled):
@@ -157,6 +167,7 @@ class LoRALinear:
                 self.b[p][slot].zero_()
                 self.ranks[slot, p] = 0
                 slots.discard(slot)
+        self.filled_bits &= ~(1 << slot)
 
 
 # The model's projections an adapter can reach, by the attribute path inside a decoder layer.
