@@ -10,6 +10,11 @@ one team of worker threads per thread that has run a parallel op, and once the p
 it has cores, every worker stops spinning between ops and sleeps instead (libgomp's throttled wait). A model
 loaded on the main thread and stepped on another holds two teams, and SmolLM2's batch-32 decode step then takes
 about twice as long (60,000 context switches where one team makes 300).
+
+LoRA adapters (`structgen.lora`) are registered on the step thread too (`add_lora`, `remove_lora`); their files are
+read on a worker thread first, so a big adapter never stalls the steps. `list_loras` / `get_lora` answer from a
+snapshot the step thread replaces after each change, so the event loop can route a request by `model` without a
+round trip through the step thread.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.metrics import EngineStats
 from structgen.engine.outputs import RequestOutput
+from structgen.lora import LoRAError, LoRARequest
 from structgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.lora.manager import LoRAManager, ServedLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +43,7 @@ logger = logging.getLogger(__name__)
 # their `ready()` this often instead of spinning.
 _IDLE_POLL_S = 0.002
 _STATS_TIMEOUT_S = 5.0
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -76,8 +86,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._dead: BaseException | None = None
-        # `generate` calls whose add command has not run yet: failed at once if the step loop dies first.
-        self._adding: dict[asyncio.Future[None], asyncio.AbstractEventLoop] = {}
+        # Callers waiting on a command that has not run yet (`generate`'s add, `_on_step_thread`): failed at once if
+        # the step loop dies first.
+        self._adding: dict[asyncio.Future[Any], asyncio.AbstractEventLoop] = {}
+        self._loras: dict[str, ServedLoRA] = {}  # replaced whole by the step thread, read anywhere
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(build,), name="structgen-engine", daemon=True)
@@ -87,11 +99,23 @@ class AsyncEngine:
             if self._build_error is not None:
                 self._thread.join()
                 raise self._build_error
+        self._refresh_loras()  # adapters registered before the engine came here (nothing steps it yet)
 
     @classmethod
-    def from_config(cls, config: Any = None) -> AsyncEngine:
-        """An `LLMEngine(config)` built and stepped on the same thread (see the module's note)."""
-        return cls(build=lambda: LLMEngine(config))
+    def from_config(cls, config: Any = None, *, lora_modules: Sequence[LoRARequest] = ()) -> AsyncEngine:
+        """An `LLMEngine(config)` built and stepped on the same thread (see the module's note), serving the
+        `lora_modules` adapters from the start (`LoRAError` naming the adapter when one cannot be served)."""
+
+        def build() -> LLMEngine:
+            engine = LLMEngine(config)
+            try:
+                _register_adapters(engine, lora_modules)
+            except BaseException:
+                engine.shutdown()
+                raise
+            return engine
+
+        return cls(build=build)
 
     # -- public API ------------------------------------------------------------------------------------------------
 
@@ -104,13 +128,16 @@ class AsyncEngine:
         ready: Callable[[], bool] | None = None,
         stream: bool = True,
         reasoning: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, one per step that produced tokens; the last has `finished=True`.
         `stream=False`: only the first output and the finished one (the first says the request runs; skipping
         the others spares the event loop a wake-up per step, whose thread would take a core from the forward's).
 
-        Raises what `LLMEngine.add_request` raises (ValueError for a request that can never run) on the first
-        iteration. Closing the iterator before the end aborts the request.
+        `lora_request`: run with that adapter (`LLMEngine.add_request`; one without a path must be registered).
+
+        Raises what `LLMEngine.add_request` raises (ValueError for a request that can never run, `LoRAError` for an
+        adapter it cannot serve) on the first iteration. Closing the iterator before the end aborts the request.
         """
         self._check_alive()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -125,11 +152,20 @@ class AsyncEngine:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in use")
                 self.engine.add_request(
-                    request_id, prompt, params, stream=True, ready=ready, reasoning=reasoning
+                    request_id,
+                    prompt,
+                    params,
+                    stream=True,
+                    ready=ready,
+                    reasoning=reasoning,
+                    lora_request=lora_request,
                 )
             except BaseException as error:  # reported to the caller, not to the step loop
                 loop.call_soon_threadsafe(_resolve, added, error)
                 return
+            finally:
+                if lora_request is not None and lora_request.lora_path:
+                    self._refresh_loras()  # a request with a path registers its adapter on first use
             self._streams[request_id] = queue
             loop.call_soon_threadsafe(_resolve, added, None)
 
@@ -182,6 +218,50 @@ class AsyncEngine:
                 pass
         return self.engine.stats()
 
+    # -- LoRA adapters ---------------------------------------------------------------------------------------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora is not None
+
+    def list_loras(self) -> list[ServedLoRA]:
+        """The registered adapters, in the order they were registered."""
+        return list(self._loras.values())
+
+    def get_lora(self, name: str) -> ServedLoRA | None:
+        return self._loras.get(name)
+
+    async def add_lora(self, request: LoRARequest) -> ServedLoRA:
+        """Serve the adapter at `request.lora_path` under its name. `LoRAError` when LoRA is off, the adapter
+        cannot be served, or the name belongs to another adapter; the same name and path again is a no-op."""
+        manager = self._lora_manager()
+        if request.lora_name in self._loras:
+            # `add` answers a known name from the registry (that adapter, or the error for another path)
+            # without reading any file on the step thread.
+            return await self._on_step_thread(lambda: manager.add(request), refresh_loras=True)
+        # Reading touches no engine state: a worker thread does it while the steps go on.
+        adapter = await asyncio.to_thread(manager.read, request)
+        return await self._on_step_thread(lambda: manager.register(request, adapter), refresh_loras=True)
+
+    async def remove_lora(self, name: str) -> ServedLoRA:
+        """Unregister adapter `name`: new requests cannot name it, running ones finish with it. `LoRAError`
+        (404) for a name no adapter has."""
+        manager = self._lora_manager()
+        return await self._on_step_thread(lambda: manager.remove(name), refresh_loras=True)
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self.engine.lora
+        if manager is None:
+            raise LoRAError(
+                "LoRA adapters are not enabled: start the server with --enable-lora (EngineConfig.lora)"
+            )
+        return manager
+
+    def _refresh_loras(self) -> None:
+        manager = self.engine.lora
+        if manager is not None:
+            self._loras = {served.name: served for served in manager.registered()}
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort everything and stop the step thread (idempotent)."""
         with self._wakeup:
@@ -206,6 +286,34 @@ class AsyncEngine:
             self._commands.append(command)
             self._wakeup.notify()
             return True
+
+    async def _on_step_thread(self, fn: Callable[[], T], *, refresh_loras: bool = False) -> T:
+        """`fn()` run by the step thread between steps: its result, or what it raised."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            with self._wakeup:
+                self._adding.pop(done, None)
+            try:
+                result = fn()
+            except BaseException as error:
+                loop.call_soon_threadsafe(_resolve, done, error)
+                return
+            finally:
+                if refresh_loras:
+                    self._refresh_loras()
+            loop.call_soon_threadsafe(_resolve, done, None, result)
+
+        with self._wakeup:
+            self._adding[done] = loop
+        if not self._post(run):
+            with self._wakeup:
+                self._adding.pop(done, None)
+            self._check_alive()
+            raise EngineDeadError("the engine's step loop is not running")
+        return await done
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> None:
         """Abort `request_id` (only if it still belongs to `stream`, when given) and end its iterator."""
@@ -282,10 +390,23 @@ class AsyncEngine:
             raise EngineDeadError("the engine was shut down")
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future[Any], error: BaseException | None, result: Any = None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
+
+
+def _register_adapters(engine: LLMEngine, requests: Sequence[LoRARequest]) -> None:
+    """Register the adapters a server starts with, each error naming its adapter."""
+    if not requests:
+        return
+    if engine.lora is None:
+        raise LoRAError("LoRA adapters were given, but the engine config has no LoRA (EngineConfig.lora)")
+    for request in requests:
+        try:
+            engine.lora.add(request)
+        except LoRAError as error:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {error}", status=error.status) from None

@@ -19,13 +19,13 @@ import torch
 from structgen.config import EngineConfig
 from structgen.engine.block_manager import BlockManager
 from structgen.engine.inputs import PromptInput, resolve_max_tokens, tokenize_prompt
-from structgen.engine.metrics import EngineCounters, EngineStats, engine_stats
+from structgen.engine.metrics import EngineCounters, EngineStats, engine_stats, note_scheduled
 from structgen.engine.model_runner import LogitsProcessor, ModelRunner
 from structgen.engine.output_processor import OutputProcessor
 from structgen.engine.outputs import RequestOutput
 from structgen.engine.reasoning import new_state
 from structgen.engine.sampler import Sampler, make_generator
-from structgen.engine.scheduler import Scheduler, SchedulerOutput
+from structgen.engine.scheduler import Scheduler
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
 from structgen.engine.speculative import Speculator
 from structgen.engine.structured import StructuredOutputs
@@ -73,28 +73,11 @@ class LLMEngine:
         self.config = config = config if config is not None else EngineConfig()
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model is None or tokenizer is None:
-            from structgen.models.loader import load_model
-            from structgen.models.registry import resolve_model
-            from structgen.tokenizer import Tokenizer
+            from structgen.engine.model_loading import load_engine_model
 
-            model_dir = resolve_model(config.model)
-            tp_size = config.tensor_parallel_size
-            if tp_size > 1:
-                from structgen.distributed import TensorParallelGroup
-
-                # The workers load their shards while this process loads rank 0's.
-                self.tp_group = TensorParallelGroup.start(model_dir, config, self.device)
-            model = load_model(model_dir, dtype=config.dtype, device=self.device, tp_size=tp_size)
-            if tp_size == 1:
-                from structgen.models.cpu_linear import attach_int4
-                from structgen.models.llama_flat import enable_flat_forward
-                from structgen.models.registry import gguf_source
-
-                attach_int4(model, quantization=config.quantization, gguf_path=gguf_source(config.model))
-                enable_flat_forward(model)  # after the kernels: it binds them
-            if self.tp_group is not None:
-                self.tp_group.wait_ready()
-            tokenizer = Tokenizer.from_dir(model_dir)
+            model, tokenizer, model_dir = load_engine_model(
+                config, self.device, on_workers=lambda group: setattr(self, "tp_group", group)
+            )
         elif config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 loads the model's shards itself: pass no model")
         self.model_dir = Path(model_dir) if model_dir is not None else None
@@ -321,7 +304,7 @@ class LLMEngine:
         self.last_step_num_tokens = batch.num_batched_tokens
         if batch.is_empty:
             return self._collect_outputs(ended_seqs)
-        self._note_scheduled(batch)
+        note_scheduled(batch, self._requests, self.counters)
         self.structured.prepare(batch.sample_seqs)
         if self.lora is not None:
             self.lora.prepare(batch.seqs, batch.num_new_tokens)
@@ -412,20 +395,6 @@ class LLMEngine:
                 outputs.append(self.output_processor.make_output(request))
         self.scheduler.drop_finished()
         return outputs
-
-    def _note_scheduled(self, batch: SchedulerOutput) -> None:
-        now = time.monotonic()
-        for seq in batch.newly_scheduled:
-            metrics = self._requests[seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                # Prompt tokens only: tokens a grammar forced at the start of the output join the sequence
-                # before its first forward, and hit the cache when an earlier request wrote the same ones.
-                metrics.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            # A decode is one token right after the last sampled one; everything else is (re)prefill.
-            if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq) - 1):
-                self.counters.num_prompt_tokens_computed += num_new
 
     def _fork_generator(self, seq: Sequence, index: int) -> torch.Generator | None:
         seed = seq.params.seed if seq.params is not None else None

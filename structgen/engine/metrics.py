@@ -7,12 +7,15 @@ All times are `time.monotonic()` seconds.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from structgen.engine.llm_engine import LLMEngine
+    from structgen.engine.scheduler import SchedulerOutput
+    from structgen.engine.sequence import Request
 
 
 @dataclass(slots=True)
@@ -136,3 +139,20 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_spec_proposed_tokens=spec.num_proposed if spec is not None else 0,
         num_spec_accepted_tokens=spec.num_accepted if spec is not None else 0,
     )
+
+
+def note_scheduled(batch: SchedulerOutput, requests: dict[str, Request], counters: EngineCounters) -> None:
+    """Record a scheduled step: first-scheduled times and prefix-cache hits of newly admitted requests, and the
+    prompt tokens computed (everything but plain decodes)."""
+    now = time.monotonic()
+    for seq in batch.newly_scheduled:
+        metrics = requests[seq.request_id].metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+            # Prompt tokens only: tokens a grammar forced at the start of the output join the sequence
+            # before its first forward, and hit the cache when an earlier request wrote the same ones.
+            metrics.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        # A decode is one token right after the last sampled one; everything else is (re)prefill.
+        if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == len(seq) - 1):
+            counters.num_prompt_tokens_computed += num_new

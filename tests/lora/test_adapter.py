@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Adapters
+from lora_helpers import Adapters
 from safetensors.torch import load_file, save_file
 
 from structgen.lora.adapter import LoRAError, TargetShapes, load_adapter

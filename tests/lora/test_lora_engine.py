@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import MAX_TOKENS, PROMPTS, Adapters, make_lora_engine
+from lora_helpers import MAX_TOKENS, PROMPTS, Adapters, make_lora_engine
 
 from structgen.engine.llm_engine import LLMEngine
 from structgen.lora import LoRAError, LoRARequest

@@ -1,0 +1,49 @@
+"""Loading the engine's model by name: the checkpoint, its tensor-parallel workers, and the CPU kernels attached."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from structgen.config import EngineConfig
+    from structgen.distributed import TensorParallelGroup
+    from structgen.tokenizer import Tokenizer
+
+
+def load_engine_model(
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    on_workers: Callable[[TensorParallelGroup], None],
+) -> tuple[nn.Module, Tokenizer, Path]:
+    """(model, tokenizer, checkpoint dir) of `config.model`. With tensor parallelism the workers start first and
+    are handed to `on_workers` at once (the engine stops them if anything after fails), then load their shards
+    while this process loads rank 0's. On one rank the CPU's quantized kernels and flat forward are attached."""
+    from structgen.models.loader import load_model
+    from structgen.models.registry import resolve_model
+    from structgen.tokenizer import Tokenizer
+
+    model_dir = resolve_model(config.model)
+    tp_size = config.tensor_parallel_size
+    tp_group = None
+    if tp_size > 1:
+        from structgen.distributed import TensorParallelGroup
+
+        tp_group = TensorParallelGroup.start(model_dir, config, device)
+        on_workers(tp_group)
+    model = load_model(model_dir, dtype=config.dtype, device=device, tp_size=tp_size)
+    if tp_size == 1:
+        from structgen.models.cpu_linear import attach_int4
+        from structgen.models.llama_flat import enable_flat_forward
+        from structgen.models.registry import gguf_source
+
+        attach_int4(model, quantization=config.quantization, gguf_path=gguf_source(config.model))
+        enable_flat_forward(model)  # after the kernels: it binds them
+    if tp_group is not None:
+        tp_group.wait_ready()
+    return model, Tokenizer.from_dir(model_dir), model_dir
