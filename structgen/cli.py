@@ -12,6 +12,7 @@ from structgen.commands import run_batch as run_batch_command
 from structgen.commands import validate as validate_command
 from structgen.commands.engine_args import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
+from structgen.commands.lora_flags import lora_modules
 
 # `structgen.server.limits.DEFAULT_RESPONSES_STORE_SIZE` (a test keeps them equal): importing the server for
 # `--help` would cost seconds.
@@ -93,6 +94,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from structgen.engine.async_engine import AsyncEngine
+    from structgen.lora import LoRAError
     from structgen.server import build_app
     from structgen.server.lifecycle import GracefulServer
     from structgen.server.limits import ServerLimits
@@ -101,6 +103,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         set_threads(args)
         config = engine_config(args)
+        adapters = lora_modules(args, model_name=model_name(args))
         limits = ServerLimits(
             max_request_bytes=args.max_request_bytes,
             max_waiting_requests=args.max_waiting_requests,
@@ -111,7 +114,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncEngine.from_config(config)  # built on its step thread: one OpenMP team
+    try:
+        # Built on its step thread (one OpenMP team), with the --lora-modules adapters loaded there.
+        engine = AsyncEngine.from_config(config, lora_modules=adapters)
+    except LoRAError as exc:  # an adapter the model cannot serve: a bad flag, found once the model is loaded
+        print(f"structgen serve: {exc}", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
     app = build_app(
         engine,

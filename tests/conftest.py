@@ -47,3 +47,22 @@ def smollm2_engine() -> Iterator[Any]:
     engine = AsyncEngine(LLMEngine(config))
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two random PEFT LoRA adapters for `tiny`, made with `peft` (`lora/peft_adapters.py`), by name: "sql" (rank 8
+    on q/v/down) and "poet" (rank 4 on o/gate); each moves the model's greedy picks away from the base model's."""
+    from lora.peft_adapters import make_peft_adapter
+
+    from structgen.models.registry import resolve_model
+
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = resolve_model("tiny")
+    sql = ["q_proj", "v_proj", "down_proj"]
+    return {
+        "sql": make_peft_adapter(model_dir, root / "sql", r=8, target_modules=sql, lora_alpha=16, seed=1),
+        "poet": make_peft_adapter(
+            model_dir, root / "poet", r=4, target_modules=["o_proj", "gate_proj"], lora_alpha=8, seed=2
+        ),
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from structgen.commands.lora_flags import add_lora_flags, lora_config
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
 from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
 from structgen.tokenizer.reasoning import REASONING_PARSERS
@@ -20,8 +21,9 @@ DEFAULT_MODEL_NAME = "smollm2-135m"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's size, threads, parallelism, KV cache, structured-output and reasoning options, and the default
-    cap of a chat request's output (besides `--model` and its siblings, which every model command takes)."""
+    """The engine's size, threads, parallelism, KV cache, structured-output, reasoning and LoRA options, and the
+    default cap of a chat request's output (besides `--model` and its siblings, which every model command
+    takes)."""
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument(
         "--threads",
@@ -83,6 +85,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_max": 4}\' (greedy outputs unchanged, sampled ones keep their distribution; default: off)',
     )
+    add_lora_flags(parser)
     parser.add_argument(
         "--max-tokens-default",
         type=int,
@@ -133,6 +136,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         reasoning_parser=args.reasoning_parser,
         thinking_token_budget=budget,
         speculative_config=getattr(args, "speculative_config", None),
+        lora=lora_config(args),
     )
 
 

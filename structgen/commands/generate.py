@@ -20,6 +20,7 @@ examples:
   structgen generate --prompt "Extract: Ann is 31." --json-schema person.schema.json --stream
   structgen generate --messages chat.json --pydantic myapp.models:Person
   structgen generate --model tiny --prompt "digits" --regex "[0-9]{4}" --max-tokens 8
+  structgen generate --model tiny --lora-path ./sql-adapter --prompt "List the users."
 
 --messages FILE holds a JSON list of chat messages ({"role": ..., "content": ...}). --pydantic imports
 module:Class (the current directory is on the import path), constrains the output to its JSON Schema and
@@ -71,6 +72,12 @@ def add_parser(
         "--thinking-token-budget", type=int, default=None, metavar="N", help="reasoning tokens at most"
     )
     gen.add_argument("--backend", default="auto", choices=["auto", "llguidance", "xgrammar", "outlines"])
+    gen.add_argument(
+        "--lora-path", metavar="DIR", default=None, help="run with this LoRA adapter (a PEFT directory)"
+    )
+    gen.add_argument(
+        "--max-lora-rank", type=int, default=None, help="the highest rank the adapter may have (default 16)"
+    )
     add_structured_flags(gen)
 
 
@@ -91,11 +98,13 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.thinking_token_budget is not None and args.reasoning_parser is None:
             raise UsageError("--thinking-token-budget needs --reasoning-parser")
+        lora = _lora_config(args)
     except (UsageError, ValueError, OSError) as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
     from structgen.config import EngineConfig
     from structgen.engine.llm_engine import LLMEngine
+    from structgen.lora import LoRARequest
     from structgen.structured import StructuredOutputConfig
     from structgen.validate.local import build_backends
 
@@ -106,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         structured=structured,
         reasoning_parser=args.reasoning_parser,
+        lora=lora,
     )
+    lora_request = LoRARequest("adapter", 1, args.lora_path) if args.lora_path else None
     try:
         engine = LLMEngine(config)
     except ReasoningParserError as exc:  # the model has no <think> / </think> tokens
@@ -121,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     try:
-        engine.add_request("generate", prompt, params, stream=args.stream)
-    except ValueError as exc:  # the prompt does not fit the context, an out-of-vocabulary token...
+        engine.add_request("generate", prompt, params, stream=args.stream, lora_request=lora_request)
+    except (
+        ValueError
+    ) as exc:  # the prompt does not fit the context, an adapter it cannot serve (LoRAError)...
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
     completion = None
@@ -138,6 +151,21 @@ def run(args: argparse.Namespace) -> int:
         print(completion.reasoning, file=sys.stderr)
     print("" if args.stream else completion.text)
     return _report(completion, model_class)
+
+
+def _lora_config(args: argparse.Namespace) -> Any:
+    """The engine's `LoRAConfig` for `--lora-path` (None without it); the directory checked before the model
+    loads, the adapter's files when the request is added."""
+    from structgen.config import LoRAConfig
+
+    if args.lora_path is None:
+        if args.max_lora_rank is not None:
+            raise UsageError("--max-lora-rank needs --lora-path")
+        return None
+    if not Path(args.lora_path).expanduser().is_dir():
+        raise UsageError(f"--lora-path: no LoRA adapter directory at {args.lora_path!r}")
+    rank = args.max_lora_rank
+    return LoRAConfig(max_loras=1) if rank is None else LoRAConfig(max_loras=1, max_lora_rank=rank)
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:

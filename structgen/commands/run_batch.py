@@ -30,6 +30,7 @@ from structgen.commands.batch_file import (
     response_result,
 )
 from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
+from structgen.commands.lora_flags import lora_modules
 from structgen.commands.progress import progress_bar
 
 EXAMPLES = f"""\
@@ -38,8 +39,8 @@ examples:
   cat requests.jsonl | structgen run-batch -i - -o - --model tiny > results.jsonl
 
 input lines: {{"custom_id": "...", "method": "POST", "url": URL, "body": {{...}}}} with URL one of
-{", ".join(BATCH_URLS)} (blank lines are skipped). Output: one line per input line, in input order,
-in OpenAI's batch output format.
+{", ".join(BATCH_URLS)} (blank lines are skipped); a body's "model" may name a --lora-modules adapter.
+Output: one line per input line, in input order, in OpenAI's batch output format.
 """
 
 
@@ -87,6 +88,7 @@ def add_parser(
 
 def run(args: argparse.Namespace) -> int:
     from structgen.engine.async_engine import AsyncEngine
+    from structgen.lora import LoRAError
     from structgen.server import ServerLimits, build_app
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         set_threads(args)
         config = engine_config(args)
+        adapters = lora_modules(args, model_name=model_name(args))
         limits = ServerLimits(max_waiting_requests=window, max_tokens_default=args.max_tokens_default)
     except ValueError as error:
         return _fail(str(error))
@@ -113,7 +116,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot write {args.output}: {error.strerror or error}")
     summary = Summary(lines=len(lines))
     try:
-        engine = AsyncEngine.from_config(config)  # built on its step thread: one OpenMP team
+        try:
+            # Built on its step thread (one OpenMP team); a line's `model` may name a --lora-modules adapter.
+            engine = AsyncEngine.from_config(config, lora_modules=adapters)
+        except LoRAError as error:
+            return _fail(str(error))
         try:
             app = build_app(engine, engine.engine.tokenizer, model_name=model_name(args), limits=limits)
             # A non-terminal stderr (a log, a pipe) would get the final frame only: no bar there.

@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI's `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses` over an
-`AsyncEngine`, plus `/health`, `/metrics` and vLLM's `/tokenize` / `/detokenize`.
+`AsyncEngine`, plus `/health`, `/metrics`, vLLM's `/tokenize` / `/detokenize` and its runtime LoRA routes
+(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
-The routes live in `routes_chat.py` / `routes_completions.py` / `routes_tokenize.py` / `responses/`, the engine
-plumbing in `generation.py`, SSE in `streaming.py`; this module wires them with auth, limits, metrics and the
-lifecycle (`app.state.server`).
+The routes live in `routes_models.py` / `routes_chat.py` / `routes_completions.py` / `routes_tokenize.py` /
+`responses/`, the engine plumbing in `generation.py`, SSE in `streaming.py`; this module wires them with auth,
+limits, metrics and the lifecycle (`app.state.server`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from structgen import __version__
 from structgen.engine.async_engine import AsyncEngine
-from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.errors import APIError, error_body, install_error_handlers
 from structgen.server.lifecycle import Lifecycle
@@ -29,6 +29,7 @@ from structgen.server.openapi import add_openapi_route
 from structgen.server.responses import add_responses_routes
 from structgen.server.routes_chat import add_chat_route
 from structgen.server.routes_completions import add_completions_route
+from structgen.server.routes_models import add_model_routes
 from structgen.server.routes_tokenize import add_tokenize_routes
 
 
@@ -89,11 +90,7 @@ def build_app(
         return Response(await metrics.render(), media_type=CONTENT_TYPE)
 
     router = APIRouter(prefix="/v1", dependencies=[auth])
-
-    @router.get("/models")
-    async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=model_name)])
-
+    add_model_routes(router, ctx)
     add_chat_route(router, ctx)
     add_completions_route(router, ctx)
     add_responses_routes(router, ctx)

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from structgen.engine.async_engine import EngineDeadError
 from structgen.engine.outputs import CompletionOutput, RequestOutput
+from structgen.lora import LoRAError, LoRARequest
 from structgen.sampling_params import SamplingParams
 from structgen.server import protocol as p
 from structgen.server.context import ServerContext
@@ -28,13 +29,16 @@ Started = tuple[AsyncIterator[RequestOutput], RequestOutput]
 
 
 class Call:
-    """What every response of one HTTP request shares."""
+    """What every response of one HTTP request shares; `model` is what the answers report (the base model's name,
+    or the LoRA adapter the request named)."""
 
-    def __init__(self, ctx: ServerContext, request_id: str, request: Request, ticket: Ticket) -> None:
+    def __init__(
+        self, ctx: ServerContext, request_id: str, request: Request, ticket: Ticket, *, model: str
+    ) -> None:
         self.ctx = ctx
         self.id = request_id
         self.tokenizer = ctx.tokenizer
-        self.model = ctx.model_name
+        self.model = model
         self.created = int(time.time())
         self.state = request.state
         self.ticket = ticket
@@ -73,17 +77,24 @@ async def start(
     *,
     stream: bool = True,
     reasoning: bool = True,
+    lora_request: LoRARequest | None = None,
 ) -> list[Started]:
     """Add one engine request per prompt and wait for each one's first output; errors become 400 / 503.
     `stream=False` (a plain answer): after the first output, only the finished one comes. `reasoning=False`:
-    no reasoning phase even where the engine has a reasoning parser (`AsyncEngine.generate`)."""
+    no reasoning phase even where the engine has a reasoning parser (`AsyncEngine.generate`). `lora_request`:
+    every prompt runs with that adapter."""
     started: list[Started] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             with ticket.queued(rid):
                 stream_of = ctx.engine.generate(
-                    prompt, params, request_id=rid, stream=stream, reasoning=reasoning
+                    prompt,
+                    params,
+                    request_id=rid,
+                    stream=stream,
+                    reasoning=reasoning,
+                    lora_request=lora_request,
                 )
                 started.append((stream_of, await _first(stream_of, ticket)))
             raise_failed(started[-1][1].outputs)
@@ -116,6 +127,9 @@ async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> Reques
         raise APIError(400, str(error), param="response_format", code="compile_timeout") from None
     except CompileBusyError as error:  # earlier compiles still hold the workers: not this request's fault
         raise APIError(503, str(error), code="compile_busy", headers={"Retry-After": "5"}) from None
+    except LoRAError as error:  # the adapter was unloaded after the request named it
+        code = "model_not_found" if error.status == 404 else "invalid_request"
+        raise APIError(error.status, str(error), param="model", code=code) from None
     except (StructuredOutputError, ValueError) as error:  # prompt too long, n over max_num_seqs, bad spec
         raise APIError(400, str(error), code="invalid_request") from None
     except EngineDeadError as error:

@@ -258,6 +258,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "structgen"
+    # vLLM's: what the model was loaded from (a LoRA adapter's directory), and the model an adapter applies to.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

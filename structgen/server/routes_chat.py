@@ -21,10 +21,10 @@ from structgen.server import protocol as p
 from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
-from structgen.server.errors import APIError
 from structgen.server.generation import Call, Started
 from structgen.server.limits import with_default_max_tokens
 from structgen.server.openapi import generation_responses
+from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import chat_chunks
 
 ChunkStream = AsyncIterator[dict[str, Any]]
@@ -58,7 +58,7 @@ async def run_chat(
 ) -> StreamingResponse | ChatAnswer:
     """The chat pipeline: the finished answer, or with `body.stream` the SSE response of its chunks. `rewrite`
     replaces the chunks with another API's typed events, framed as named SSE events (`streaming.sse`)."""
-    check_model(body.model, ctx.model_name)
+    lora_request = resolve_model(ctx, body.model)
     params = body.to_sampling_params()
     prompt = chat_prompt(ctx.tokenizer, body, params)
     tools = prompt.tools
@@ -85,6 +85,7 @@ async def run_chat(
         run_params,
         events=events if body.stream else None,
         named_events=rewrite is not None,
+        lora_request=lora_request,
     )
     if not isinstance(result, Finished):
         return result
@@ -101,7 +102,7 @@ async def run_chat(
     completion = p.ChatCompletion(
         id=result.call.id,
         created=result.call.created,
-        model=ctx.model_name,
+        model=result.call.model,
         choices=choices,
         usage=result.call.finish(result.prompt_tokens, result.outputs),
     )
@@ -116,13 +117,3 @@ def with_reasoning(
     if include and output.reasoning is not None:
         message.reasoning = message.reasoning_content = output.reasoning
     return message
-
-
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(
-            404,
-            f"the model {requested!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )

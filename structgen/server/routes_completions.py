@@ -11,14 +11,14 @@ from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.generation import Call, Started
 from structgen.server.openapi import generation_responses
-from structgen.server.routes_chat import check_model
+from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import completion_chunks
 
 
 def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
     @router.post("/completions", response_model=None, responses=generation_responses(p.Completion))
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
-        check_model(body.model, ctx.model_name)
+        lora_request = resolve_model(ctx, body.model)
         params = body.to_sampling_params()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -37,6 +37,7 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
             params,
             events=events if body.stream else None,
             reasoning=False,
+            lora_request=lora_request,
         )
         if not isinstance(result, Finished):
             return result
@@ -54,7 +55,7 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
         return p.Completion(
             id=result.call.id,
             created=result.call.created,
-            model=ctx.model_name,
+            model=result.call.model,
             choices=choices,
             usage=result.call.finish(result.prompt_tokens, result.outputs),
         )

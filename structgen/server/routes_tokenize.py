@@ -24,7 +24,7 @@ from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
 from structgen.server.errors import APIError
 from structgen.server.protocol import _Request as _Body  # chat's strict request config, shared on purpose
-from structgen.server.routes_chat import check_model
+from structgen.server.routes_models import resolve_model
 
 # Fields of the conversation form only; a `prompt` request naming one is refused rather than quietly
 # counted without it.
@@ -77,7 +77,7 @@ def add_tokenize_routes(router: APIRouter, ctx: ServerContext) -> None:
 
     @router.post("/tokenize")
     def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        check_model(body.model, ctx.model_name)
+        resolve_model(ctx, body.model)  # an adapter shares the base model's tokenizer
         token_ids = _conversation_ids(ctx, body) if body.messages is not None else _prompt_ids(ctx, body)
         return TokenizeResponse(
             count=len(token_ids),
@@ -88,7 +88,7 @@ def add_tokenize_routes(router: APIRouter, ctx: ServerContext) -> None:
 
     @router.post("/detokenize")
     def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(body.model, ctx.model_name)
+        resolve_model(ctx, body.model)  # an adapter shares the base model's tokenizer
         size = tokenizer.vocab_size
         for i, token_id in enumerate(body.tokens):
             if not 0 <= token_id < size:

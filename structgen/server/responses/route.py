@@ -30,6 +30,7 @@ from structgen.server.responses.protocol import (
 )
 from structgen.server.responses.store import ResponseStore, StoredResponse
 from structgen.server.routes_chat import ChunkStream, run_chat
+from structgen.server.routes_models import resolve_model
 
 MAX_LIST_LIMIT = 100
 
@@ -105,7 +106,9 @@ async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesReque
     context = previous.context if previous is not None else []
     items = input_items(body.input)
     chat = chat_request(body, context=context, items=items)
-    head = response_head(body, response_id=new_id("resp"), model=ctx.model_name)
+    lora_request = resolve_model(ctx, body.model)  # run_chat resolves it again; here for the answer's model
+    model = lora_request.lora_name if lora_request is not None else ctx.model_name
+    head = response_head(body, response_id=new_id("resp"), model=model)
 
     def remember(response: dict[str, Any]) -> None:
         if body.store:
