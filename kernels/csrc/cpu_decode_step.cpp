@@ -12,6 +12,11 @@
 // (qweight, scales, mins) of the fused qkv, o, fused gate_up and down projections packed for `woq_gemv`, with
 // their bit widths in `bits` (4 a layer); the final norm's weight last. `eps`: the two norms' epsilon of each
 // layer, then the final norm's. Returns the final norm's output [rows, hidden].
+//
+// With LoRA adapters (`structgen/lora/layers.py`) in the step: `lora` holds, for each layer and linear in the
+// order above, the slots' `a` [slots, parts, rank, in], their `ranks` [slots, parts] and one `b` per part, and
+// `lora_slots` each row's slot (-1: none); each projection then adds its rows' adapters (`lora_add`) as the flat
+// forward's wrappers do. Empty `lora`: the base model alone.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -25,17 +30,46 @@ namespace {
 constexpr int64_t kWeightsPerLayer = 14;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 
+// Where each linear's LoRA tensors start in `lora`: (a, ranks, b per part) one linear after another.
+std::vector<int64_t> lora_starts(at::TensorList lora, int64_t linears) {
+  std::vector<int64_t> starts;
+  if (lora.empty()) return starts;
+  int64_t at = 0;
+  for (int64_t i = 0; i < linears; ++i) {
+    TORCH_CHECK(at < static_cast<int64_t>(lora.size()) && lora[at].dim() == 4, "decode_layers: bad lora list");
+    starts.push_back(at);
+    at += 2 + lora[at].size(1);
+  }
+  TORCH_CHECK(at == static_cast<int64_t>(lora.size()), "decode_layers: bad lora list length");
+  return starts;
+}
+
 struct Step {
   at::TensorList weights;
   at::IntArrayRef bits;
   int64_t rows;
+  at::TensorList lora;
+  std::vector<int64_t> lora_at;
+  c10::optional<at::Tensor> lora_slots;
 
-  // x @ W^T for linear `which` of layer `layer`, through the GEMV on its packed blocks.
+  // x @ W^T for linear `which` of layer `layer`, through the GEMV on its packed blocks, plus the rows' adapters.
   at::Tensor linear(const at::Tensor& x, int64_t layer, int64_t which) const {
     const int64_t first = layer * kWeightsPerLayer + 2 + 3 * which;
     const at::Tensor& qweight = weights[first];
     at::Tensor out = at::empty({rows, qweight.size(0) * 16}, x.options());
     woq_gemv(x, qweight, weights[first + 1], weights[first + 2], bits[layer * kLinearsPerLayer + which], out);
+    if (!lora_at.empty()) {
+      const int64_t at = lora_at[layer * kLinearsPerLayer + which];
+      const at::Tensor& a = lora[at];
+      const int64_t parts = a.size(1);
+      std::vector<int64_t> offsets;
+      int64_t column = 0;
+      for (int64_t p = 0; p < parts; ++p) {
+        offsets.push_back(column);
+        column += lora[at + 2 + p].size(2);
+      }
+      lora_add(x, out, a, lora.slice(at + 2, parts), offsets, *lora_slots, lora[at + 1]);
+    }
     return out;
   }
 };
@@ -44,7 +78,8 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& cos, cons
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, at::TensorList key_caches, at::TensorList value_caches,
                          at::TensorList weights, at::IntArrayRef bits, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double scale, at::ArrayRef<double> eps) {
+                         int64_t head_dim, double scale, at::ArrayRef<double> eps, at::TensorList lora,
+                         const c10::optional<at::Tensor>& lora_slots) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(value_caches.size()) == layers,
               "decode_layers: one key and one value cache a layer");
@@ -57,7 +92,8 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& cos, cons
   TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous() && embedded.scalar_type() == at::kBFloat16,
               "decode_layers: the embedded rows must be a contiguous bf16 [rows, hidden]");
   const int64_t rows = embedded.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const Step step{weights, bits, rows};
+  TORCH_CHECK(lora.empty() || lora_slots.has_value(), "decode_layers: lora weights need lora_slots");
+  const Step step{weights, bits, rows, lora, lora_starts(lora, layers * kLinearsPerLayer), lora_slots};
 
   at::Tensor residual = embedded;  // updated in place by each fused add + norm, as in the flat forward
   at::Tensor hidden;
@@ -101,6 +137,7 @@ TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
   m.def(
       "decode_layers(Tensor(a!) embedded, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
       "Tensor context_lens, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor[] weights, int[] bits, "
-      "int num_heads, int num_kv_heads, int head_dim, float scale, float[] eps) -> Tensor");
+      "int num_heads, int num_kv_heads, int head_dim, float scale, float[] eps, Tensor[] lora, Tensor? lora_slots) "
+      "-> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &structgen_cpu::decode_layers);
 }

@@ -22,4 +22,7 @@ bool gemv_available();
 void woq_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
               int64_t bits, at::Tensor& out);
 
+void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
+              const at::Tensor& slots, const at::Tensor& ranks);
+
 }  // namespace structgen_cpu

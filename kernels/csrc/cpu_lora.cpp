@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace structgen_cpu {
 namespace {

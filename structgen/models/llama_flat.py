@@ -71,17 +71,17 @@ class FlatLlamaForward:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         native = self.native_decode
-        lora = self.lora_step
-        if (
-            native is not None
-            and 0 < hidden.shape[0] <= native.max_rows
-            and (lora is None or not lora.active)
-        ):
-            if metadata.is_decode:
-                return native(hidden, cos, sin, kv_caches, metadata)
-            rows = _decode_rows_only(metadata)
-            if rows is not None:  # a few new tokens per sequence (forced tokens, proposals): decode rows all
-                return native(hidden, cos, sin, kv_caches, metadata, rows=rows)
+        if native is not None and 0 < hidden.shape[0] <= native.max_rows:
+            lora = self.lora_step
+            slots = lora.token_slots if lora is not None else None
+            if slots is None or native.lora:  # adapter rows only where the native step has their weights
+                if metadata.is_decode:
+                    return native(hidden, cos, sin, kv_caches, metadata, lora_slots=slots)
+                rows = _decode_rows_only(metadata)
+                if (
+                    rows is not None
+                ):  # a few new tokens per sequence (forced tokens, proposals): decode rows all
+                    return native(hidden, cos, sin, kv_caches, metadata, rows=rows, lora_slots=slots)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -115,6 +115,9 @@ class NativeDecodeStep:
     head_dim: int
     scale: float
     max_rows: int
+    # The LoRA slots of every projection (`structgen.lora.layers.LoRALinear`: a, ranks, b per part, in the
+    # weights' order), empty without adapters: steps with adapter rows add them inside the native call.
+    lora: list[torch.Tensor]
     _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @classmethod
@@ -137,15 +140,20 @@ class NativeDecodeStep:
         bits: list[int] = []
         eps: list[float] = []
         max_rows = 1 << 30
+        lora: list[torch.Tensor] = []
+        wrapped = 0
         for layer in layers:
             if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale) != shape:
                 return None
             weights += [layer.input_norm, layer.post_norm]
             eps += [layer.input_eps, layer.post_eps]
             for kernel in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-                kernel = getattr(
-                    kernel, "base", kernel
-                )  # a LoRA wrapper's own kernel (structgen.lora.layers)
+                if hasattr(
+                    kernel, "ranks"
+                ):  # a LoRA wrapper (structgen.lora.layers): its slots, then its kernel
+                    lora += [kernel.a, kernel.ranks, *kernel.b]
+                    kernel = kernel.base
+                    wrapped += 1
                 if not isinstance(kernel, QuantizedSmallBatches) or not isinstance(kernel.gemv, WoqGemv):
                     return None
                 packed = kernel.gemv.weight
@@ -154,7 +162,9 @@ class NativeDecodeStep:
                 max_rows = min(max_rows, kernel.gemv_rows)
         weights.append(model.norm.weight)
         eps.append(model.norm.eps)
-        return cls(weights, bits, eps, *shape, max_rows)
+        if wrapped not in (0, 4 * len(layers)):
+            return None  # some projections wrapped, others not: the native step takes all or none
+        return cls(weights, bits, eps, *shape, max_rows, lora)
 
     def __call__(
         self,
@@ -165,6 +175,7 @@ class NativeDecodeStep:
         metadata: AttentionMetadata,
         *,
         rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rows`: (block table, context length) of each row where a sequence has several (each new token a
         decode row that sees the context up to itself, as the CPU attention backend runs them)."""
@@ -188,6 +199,8 @@ class NativeDecodeStep:
             self.head_dim,
             self.scale,
             self.eps,
+            self.lora if lora_slots is not None else [],
+            lora_slots,
         )
 
 
