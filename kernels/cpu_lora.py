@@ -2,8 +2,10 @@
 
 `lora_add` adds, into a projection's output `y`, each token's own adapter product `B[s] (A[s] x)` (s: the token's
 slot, -1 for none) for every part of the projection (q/k/v of a fused qkv...), reading only the first
-`ranks[s, p]` rank rows of the zero-padded slots. It accumulates in float32 and rounds `y` once;
-`lora_add_reference` does the same arithmetic in torch, one token at a time.
+`ranks[s, p]` rank rows of the zero-padded slots. It accumulates in float32 and rounds `y` once; on bf16 the
+shrunk values `A[s] x` are rounded to bf16 before the expand (as a bf16 model's own LoRA product rounds them, and
+where the CPU has AVX512-BF16 the kernel multiplies bf16 pairs). `lora_add_reference` does the same arithmetic
+in torch, one token at a time.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def lora_add_reference(
             if rank == 0:
                 continue
             shrunk = a[slot, p, :rank].float() @ x[t].float()
+            if x.dtype == torch.bfloat16:
+                shrunk = shrunk.bfloat16().float()
             update = shrunk @ bp[slot, :rank].float()
             columns = y[t, offset : offset + bp.shape[2]]
             columns.copy_((columns.float() + update).to(y.dtype))

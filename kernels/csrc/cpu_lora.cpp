@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -108,6 +109,73 @@ inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t wid
   }
 }
 
+#if defined(__AVX512BF16__)
+#define STRUCTGEN_LORA_BF16_DOT 1
+
+inline __mmask32 lanes32(int64_t left) { return left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u); }
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+// bf16 with AVX512-BF16: the products of bf16 pairs straight into float sums, two per lane and instruction, with
+// no conversion of either side. shrunk[t, r] = A[r] . x[t], from the tile's own bf16 rows.
+template <int N>
+inline void shrink_bf16(const uint16_t* a, int32_t rank, int64_t in, const uint16_t* const* x_rows, float* shrunk,
+                        int64_t max_rank) {
+  for (int32_t r = 0; r < rank; ++r) {
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    const uint16_t* row = a + r * in;
+    for (int64_t k = 0; k < in; k += 32) {
+      const __mmask32 m = lanes32(in - k);
+      const __m512i av = _mm512_maskz_loadu_epi16(m, row + k);
+      for (int t = 0; t < N; ++t) acc[t] = dot_pairs(acc[t], av, _mm512_maskz_loadu_epi16(m, x_rows[t] + k));
+    }
+    for (int t = 0; t < N; ++t) shrunk[t * max_rank + r] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+// y[t, columns] += sum_r shrunk[t, r] B[r, columns]: the shrunk values rounded to bf16 (as a bf16 model's own
+// LoRA product rounds them), rank pairs (r, r + 1) as one dot product: B's two rows interleaved per column.
+template <int N>
+inline void expand_bf16(const uint16_t* b, int32_t rank, int64_t width, const float* shrunk, int64_t max_rank,
+                        uint16_t* const* y_rows) {
+  using E = Elem<c10::BFloat16>;
+  const int32_t num_pairs = (rank + 1) / 2;
+  std::vector<int32_t> pairs(N * num_pairs);
+  for (int t = 0; t < N; ++t)
+    for (int32_t i = 0; i < num_pairs; ++i) {
+      const uint32_t lo = E::store(shrunk[t * max_rank + 2 * i]);
+      const uint32_t hi = 2 * i + 1 < rank ? E::store(shrunk[t * max_rank + 2 * i + 1]) : 0u;
+      pairs[t * num_pairs + i] = static_cast<int32_t>(lo | (hi << 16));
+    }
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = static_cast<int16_t>(i);
+    order[2 * i + 1] = static_cast<int16_t>(32 + i);
+  }
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 m = lanes(width - j);
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    for (int32_t i = 0; i < num_pairs; ++i) {
+      const __m256i lo = _mm256_maskz_loadu_epi16(m, b + (2 * i) * width + j);
+      const __m256i hi = 2 * i + 1 < rank ? _mm256_maskz_loadu_epi16(m, b + (2 * i + 1) * width + j)
+                                          : _mm256_setzero_si256();
+      const __m512i bv =
+          _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), interleave, _mm512_castsi256_si512(hi));
+      for (int t = 0; t < N; ++t) acc[t] = dot_pairs(acc[t], _mm512_set1_epi32(pairs[t * num_pairs + i]), bv);
+    }
+    for (int t = 0; t < N; ++t) {
+      uint16_t* out = y_rows[t] + j;
+      store16<c10::BFloat16>(out, _mm512_add_ps(load16<c10::BFloat16>(out, m), acc[t]), m);
+    }
+  }
+}
+#endif
+
 #else  // portable loops: one token at a time, vectorized by the compiler where it can
 
 template <typename T, int N>
@@ -156,12 +224,31 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
               typename Elem<T>::storage* ys, float* xf, float* shrunk) {
   using S = typename Elem<T>::storage;
   S* y_rows[N];
+#ifdef STRUCTGEN_LORA_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const S* x_rows[N];
+    for (int t = 0; t < N; ++t) x_rows[t] = xs + tile.tokens[t] * pr.x_stride;
+    for (int64_t p = 0; p < pr.num_parts; ++p) {
+      const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
+      if (rank == 0) continue;
+      const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
+      shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
+      const int64_t width = pr.widths[p];
+      const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.max_rank * width;
+      for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
+      expand_bf16<N>(b, rank, width, shrunk, pr.max_rank, y_rows);
+    }
+    return;
+  }
+#endif
   for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
   for (int64_t p = 0; p < pr.num_parts; ++p) {
     const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
     if (rank == 0) continue;
     const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
     shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
+    for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
+      for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
     const int64_t width = pr.widths[p];
     const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.max_rank * width;
     for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];

@@ -55,13 +55,8 @@ class LoRAStep:
         self._mask = None
 
     def clear(self) -> None:
-        self.token_slots, self._mask, self.slots, self.slot_bits, self.uniform = (
-            None,
-            None,
-            frozenset(),
-            0,
-            False,
-        )
+        self.token_slots, self._mask = None, None
+        self.slots, self.slot_bits, self.uniform = frozenset(), 0, False
 
     def dense_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, hi - lo, 1, 1]: one where a token uses that slot (built once a step, for the torch path)."""
@@ -187,9 +182,8 @@ def attach_lora_layers(
     (`structgen.models.llama_flat`) bound to the old kernels is rebuilt, and told about the step so it keeps
     its all-native decode path for steps without adapter rows."""
     weight = next(model.parameters())
-    native = (
-        weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _kernel_loads()
-    )
+    on_cpu = weight.device.type == "cpu"
+    native = on_cpu and weight.dtype in (torch.float32, torch.bfloat16) and _kernel_loads()
     wrappers: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.model.layers):
         for fused, (block, attr) in _PROJECTIONS.items():
