@@ -24,8 +24,8 @@ def lora_add(
     x: torch.Tensor,  # [tokens, in]
     y: torch.Tensor,  # [tokens, out], updated in place
     a: torch.Tensor,  # [slots, parts, max_rank, in]
-    b: list[torch.Tensor],  # per part [slots, max_rank, width]
-    offsets: list[int],  # each part's first column of y
+    b: list[torch.Tensor],  # per part [slots, ceil(width / 16), max_rank, 16]: `blocked(B)`
+    offsets: list[int],  # each part's first column of y (the parts cover y's columns in order)
     slots: torch.Tensor,  # [tokens] int32, -1: the base model
     ranks: torch.Tensor,  # [slots, parts] int32, 0: the slot leaves the part alone
 ) -> None:
@@ -34,6 +34,25 @@ def lora_add(
     except RuntimeError as exc:
         _check(x, y, a, b, offsets, slots, ranks)
         raise ValueError(f"lora_add: {_kernel_message(exc)}") from None
+
+
+def blocked(b: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of a part's B slots [slots, rank, width]: [slots, ceil(width / 16), rank, 16], each block
+    of 16 columns with its rank rows side by side (zero past the width), so a block is one contiguous read."""
+    slots, rank, width = b.shape
+    padded = torch.nn.functional.pad(b, (0, -width % 16))
+    return padded.view(slots, rank, -1, 16).transpose(1, 2).contiguous()
+
+
+def unblocked(b: torch.Tensor, width: int) -> torch.Tensor:
+    """`blocked`'s inverse: [slots, rank, width]."""
+    slots, blocks, rank, _ = b.shape
+    return b.transpose(1, 2).reshape(slots, rank, blocks * 16)[:, :, :width]
+
+
+def _widths(offsets: list[int], y: torch.Tensor) -> list[int]:
+    ends = [*offsets[1:], y.shape[1]]
+    return [end - start for start, end in zip(offsets, ends, strict=True)]
 
 
 def _check(
@@ -56,10 +75,10 @@ def _check(
     num_slots, num_parts, max_rank, _ = a.shape
     if len(b) != num_parts or len(offsets) != num_parts:
         raise ValueError(f"{name}: {num_parts} parts in a, {len(b)} b tensors and {len(offsets)} offsets")
-    for p, (bp, offset) in enumerate(zip(b, offsets, strict=True)):
-        check_shape(name, f"b[{p}]", bp, (num_slots, max_rank, None))
-        if not 0 <= offset <= y.shape[1] - bp.shape[2]:
-            raise ValueError(f"{name}: part {p} (columns {offset}..{offset + bp.shape[2]}) falls outside y")
+    for p, (bp, width) in enumerate(zip(b, _widths(offsets, y), strict=True)):
+        if width <= 0 or offsets[p] < 0:
+            raise ValueError(f"{name}: part {p} (columns {offsets[p]}..{offsets[p] + width}) falls outside y")
+        check_shape(name, f"b[{p}]", bp, (num_slots, -(-width // 16), max_rank, 16))
     check_dtype(name, "slots", slots, (torch.int32,))
     check_shape(name, "slots", slots, (x.shape[0],))
     check_dtype(name, "ranks", ranks, (torch.int32,))
@@ -79,10 +98,11 @@ def lora_add_reference(
     slots: torch.Tensor,
     ranks: torch.Tensor,
 ) -> None:
+    plain = [unblocked(bp, width) for bp, width in zip(b, _widths(offsets, y), strict=True)]
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        for p, (bp, offset) in enumerate(zip(b, offsets, strict=True)):
+        for p, (bp, offset) in enumerate(zip(plain, offsets, strict=True)):
             rank = int(ranks[slot, p])
             if rank == 0:
                 continue

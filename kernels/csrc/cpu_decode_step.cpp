@@ -51,6 +51,7 @@ struct Step {
   at::TensorList lora;
   std::vector<int64_t> lora_at;
   c10::optional<at::Tensor> lora_slots;
+  int64_t q_size, kv_size;
 
   // x @ W^T for linear `which` of layer `layer`, through the GEMV on its packed blocks, plus the rows' adapters.
   at::Tensor linear(const at::Tensor& x, int64_t layer, int64_t which) const {
@@ -62,12 +63,10 @@ struct Step {
       const int64_t at = lora_at[layer * kLinearsPerLayer + which];
       const at::Tensor& a = lora[at];
       const int64_t parts = a.size(1);
-      std::vector<int64_t> offsets;
-      int64_t column = 0;
-      for (int64_t p = 0; p < parts; ++p) {
-        offsets.push_back(column);
-        column += lora[at + 2 + p].size(2);
-      }
+      // Where each part starts: q, k, v of the fused qkv; gate, up of the fused gate_up; one part otherwise.
+      std::vector<int64_t> offsets{0};
+      if (parts == 3) offsets = {0, q_size, q_size + kv_size};
+      if (parts == 2) offsets = {0, out.size(1) / 2};
       lora_add(x, out, a, lora.slice(at + 2, parts), offsets, *lora_slots, lora[at + 1]);
     }
     return out;
@@ -93,7 +92,8 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& cos, cons
               "decode_layers: the embedded rows must be a contiguous bf16 [rows, hidden]");
   const int64_t rows = embedded.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(lora.empty() || lora_slots.has_value(), "decode_layers: lora weights need lora_slots");
-  const Step step{weights, bits, rows, lora, lora_starts(lora, layers * kLinearsPerLayer), lora_slots};
+  const Step step{weights, bits, rows, lora, lora_starts(lora, layers * kLinearsPerLayer), lora_slots,
+                  q_size, kv_size};
 
   at::Tensor residual = embedded;  // updated in place by each fused add + norm, as in the flat forward
   at::Tensor hidden;

@@ -98,8 +98,9 @@ inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t wid
     const __mmask16 m = lanes(width - j);
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    const typename Elem<T>::storage* block = b + (j / 16) * max_rank * 16;
     for (int32_t r = 0; r < rank; ++r) {
-      const __m512 bv = load16<T>(b + r * width + j, m);
+      const __m512 bv = load16<T>(block + r * 16, __mmask16(0xffff));
       for (int t = 0; t < N; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[t * max_rank + r]), bv, acc[t]);
     }
     for (int t = 0; t < N; ++t) {
@@ -153,19 +154,18 @@ inline void expand_bf16(const uint16_t* b, int32_t rank, int64_t width, const fl
   alignas(64) int16_t order[32];
   for (int i = 0; i < 16; ++i) {
     order[2 * i] = static_cast<int16_t>(i);
-    order[2 * i + 1] = static_cast<int16_t>(32 + i);
+    order[2 * i + 1] = static_cast<int16_t>(16 + i);
   }
   const __m512i interleave = _mm512_load_si512(order);
   for (int64_t j = 0; j < width; j += 16) {
     const __mmask16 m = lanes(width - j);
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    const uint16_t* block = b + (j / 16) * max_rank * 16;  // this column block's rank rows, 16 columns each
     for (int32_t i = 0; i < num_pairs; ++i) {
-      const __m256i lo = _mm256_maskz_loadu_epi16(m, b + (2 * i) * width + j);
-      const __m256i hi = 2 * i + 1 < rank ? _mm256_maskz_loadu_epi16(m, b + (2 * i + 1) * width + j)
-                                          : _mm256_setzero_si256();
-      const __m512i bv =
-          _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), interleave, _mm512_castsi256_si512(hi));
+      // Rows 2i and 2i + 1 side by side in memory, interleaved column by column into bf16 pairs.
+      const __mmask32 both = 2 * i + 1 < rank ? __mmask32(0xffffffffu) : __mmask32(0xffffu);
+      const __m512i bv = _mm512_permutexvar_epi16(interleave, _mm512_maskz_loadu_epi16(both, block + 2 * i * 16));
       for (int t = 0; t < N; ++t) acc[t] = dot_pairs(acc[t], _mm512_set1_epi32(pairs[t * num_pairs + i]), bv);
     }
     for (int t = 0; t < N; ++t) {
@@ -200,9 +200,7 @@ inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t wid
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int32_t r = 0; r < rank; ++r) {
       const float s = shrunk[t * max_rank + r];
-      const typename Elem<T>::storage* row = b + r * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) acc[j] += s * Elem<T>::load(row[j]);
+      for (int64_t j = 0; j < width; ++j) acc[j] += s * Elem<T>::load(b[((j / 16) * max_rank + r) * 16 + j % 16]);
     }
     typename Elem<T>::storage* out = y_rows[t];
     for (int64_t j = 0; j < width; ++j) out[j] = Elem<T>::store(Elem<T>::load(out[j]) + acc[j]);
@@ -215,7 +213,7 @@ struct Problem {
   int64_t in, num_parts, max_rank, x_stride, y_stride;
   const void* a;
   std::vector<const void*> b;
-  std::vector<int64_t> widths, offsets;
+  std::vector<int64_t> widths, offsets, b_slot_stride;
   const int32_t* ranks;
 };
 
@@ -234,7 +232,7 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
       const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
       shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
       const int64_t width = pr.widths[p];
-      const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.max_rank * width;
+      const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
       for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
       expand_bf16<N>(b, rank, width, shrunk, pr.max_rank, y_rows);
     }
@@ -250,7 +248,7 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
     for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
       for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
     const int64_t width = pr.widths[p];
-    const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.max_rank * width;
+    const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
     for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
     expand<T, N>(b, rank, width, shrunk, pr.max_rank, y_rows);
   }
@@ -296,7 +294,9 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
 }  // namespace
 
 // x [tokens, in]; y [tokens, out] (written in place; rows contiguous); a [slots, parts, max_rank, in]; b: per part
-// [slots, max_rank, width_p]; offsets: each part's first column in y; slots [tokens] int32 (-1: none);
+// [slots, ceil(width_p / 16), max_rank, 16] (blocks of 16 columns, each block's rank rows side by side, zero past
+// the width: a block of columns is one contiguous read); offsets: each part's first column in y, the parts
+// covering y's columns in order; slots [tokens] int32 (-1: none);
 // ranks [slots, parts] int32 (0: the slot leaves that part alone). One dtype (float32 or bfloat16) for all.
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
               const at::Tensor& slots, const at::Tensor& ranks) {
@@ -310,15 +310,19 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
   const auto dtype = x.scalar_type();
   TORCH_CHECK(y.scalar_type() == dtype && a.scalar_type() == dtype, "lora_add: x, y and a must share a dtype");
   std::vector<at::Tensor> parts;
-  std::vector<int64_t> offs;
+  std::vector<int64_t> offs, widths;
   for (int64_t p = 0; p < num_parts; ++p) {
     const at::Tensor& bp = b[p];
-    TORCH_CHECK(bp.dim() == 3 && bp.is_contiguous() && bp.size(0) == num_slots && bp.size(1) == max_rank &&
-                    bp.scalar_type() == dtype,
-                "lora_add: each b must be contiguous [slots, rank, width] of x's dtype");
-    TORCH_CHECK(offsets[p] >= 0 && offsets[p] + bp.size(2) <= y.size(1), "lora_add: a part falls outside y");
+    // Part p spans y's columns from its offset to the next part's (the last one to y's end).
+    const int64_t end = p + 1 < num_parts ? offsets[p + 1] : y.size(1);
+    const int64_t width = end - offsets[p];
+    TORCH_CHECK(offsets[p] >= 0 && width > 0 && end <= y.size(1), "lora_add: a part falls outside y");
+    TORCH_CHECK(bp.dim() == 4 && bp.is_contiguous() && bp.size(0) == num_slots && bp.size(1) == (width + 15) / 16 &&
+                    bp.size(2) == max_rank && bp.size(3) == 16 && bp.scalar_type() == dtype,
+                "lora_add: each b must be contiguous [slots, ceil(width / 16), rank, 16] of x's dtype");
     parts.push_back(bp);
     offs.push_back(offsets[p]);
+    widths.push_back(width);
   }
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kInt &&
                   slots.is_contiguous(),
@@ -332,10 +336,10 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
     TORCH_CHECK(slot_ptr[t] >= -1 && slot_ptr[t] < num_slots, "lora_add: slot out of range");
   for (int64_t i = 0; i < num_slots * num_parts; ++i)
     TORCH_CHECK(rank_ptr[i] >= 0 && rank_ptr[i] <= max_rank, "lora_add: rank out of range");
-  Problem pr{x.size(1), num_parts, max_rank, x.stride(0), y.stride(0), a.data_ptr(), {}, {}, offs, rank_ptr};
+  Problem pr{x.size(1), num_parts, max_rank, x.stride(0), y.stride(0), a.data_ptr(), {}, widths, offs, {}, rank_ptr};
   for (const at::Tensor& bp : parts) {
     pr.b.push_back(bp.data_ptr());
-    pr.widths.push_back(bp.size(2));
+    pr.b_slot_stride.push_back(bp.size(1) * max_rank * 16);
   }
   if (dtype == at::kFloat) {
     lora_rows<float>(x, y, pr, slot_ptr, num_slots);

@@ -77,6 +77,8 @@ class LoRALinear:
     step: LoRAStep
     a: torch.Tensor  # [slots, parts, rank, in]
     b: list[torch.Tensor]  # per part [slots, rank, out]
+    # The same B in the CPU kernel's layout (`cpu_lora.blocked`: [slots, out / 16, rank, 16]), when `native`.
+    kb: list[torch.Tensor]
     offsets: list[int]  # each part's first output column
     ranks: torch.Tensor  # [slots, parts] int32 (CPU): each slot's rank per part, 0 where it has none
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
@@ -106,6 +108,12 @@ class LoRALinear:
             step=step,
             a=torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device),
             b=[torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device) for _, out in parts],
+            kb=[
+                torch.zeros(num_slots, -(-out // 16), max_rank, 16, dtype=dtype, device=device)
+                for _, out in parts
+            ]
+            if native
+            else [],
             offsets=offsets,
             ranks=torch.zeros(num_slots, len(parts), dtype=torch.int32),
             filled=[set() for _ in parts],
@@ -118,7 +126,9 @@ class LoRALinear:
         if not self.filled_bits & step.slot_bits or x.dim() != 2:
             return y  # no adapter rows in the step, or none of the step's adapters touches this projection
         if self.native and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == self.a.dtype == y.dtype:
-            torch.ops.structgen_cpu.lora_add(x, y, self.a, self.b, self.offsets, step.token_slots, self.ranks)
+            torch.ops.structgen_cpu.lora_add(
+                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks
+            )
             return y
         return self._dense(x, y)
 
@@ -151,6 +161,10 @@ class LoRALinear:
             rank = module.rank
             self.a[slot, p, :rank].copy_(module.a)
             self.b[p][slot, :rank].copy_(module.b.t())
+            if self.native:
+                from structgen.kernels.cpu_lora import blocked
+
+                self.kb[p][slot] = blocked(self.b[p][slot : slot + 1])[0]
             self.ranks[slot, p] = rank
             self.filled[p].add(slot)
             self.filled_bits |= 1 << slot
@@ -160,6 +174,8 @@ class LoRALinear:
             if slot in slots:
                 self.a[slot, p].zero_()
                 self.b[p][slot].zero_()
+                if self.native:
+                    self.kb[p][slot].zero_()
                 self.ranks[slot, p] = 0
                 slots.discard(slot)
         self.filled_bits &= ~(1 << slot)

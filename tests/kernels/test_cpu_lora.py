@@ -46,6 +46,7 @@ def test_matches_reference(dtype: torch.dtype, tokens: int, in_features: int, wi
     )
     offsets = [sum(widths[:p]) for p in range(len(widths))]
     expected = y.clone()
+    b = [cpu_lora.blocked(t) for t in b]
     cpu_lora.lora_add_reference(x, expected, a, b, offsets, slots, ranks)
     cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks)
     if dtype == torch.float32:
@@ -61,6 +62,7 @@ def test_base_tokens_untouched() -> None:
         tokens=6, in_features=32, widths=[32], slots=2, max_rank=4, dtype=torch.float32, seed=0
     )
     before = y.clone()
+    b = [cpu_lora.blocked(t) for t in b]
     cpu_lora.lora_add(x, y, a, b, [0], torch.full((6,), -1, dtype=torch.int32), ranks)
     assert torch.equal(y, before)
 
@@ -69,10 +71,11 @@ def test_refusals_name_the_argument() -> None:
     x, y, a, b, ranks, slots = problem(
         tokens=4, in_features=32, widths=[16, 16], slots=2, max_rank=4, dtype=torch.float32, seed=1
     )
+    b = [cpu_lora.blocked(t) for t in b]
     with pytest.raises(ValueError, match=r"slots must be in -1\.\.1"):
         cpu_lora.lora_add(x, y, a, b, [0, 16], torch.tensor([0, 2, 1, -1], dtype=torch.int32), ranks)
     with pytest.raises(ValueError, match="falls outside y"):
-        cpu_lora.lora_add(x, y, a, b, [0, 20], slots, ranks)
+        cpu_lora.lora_add(x, y, a, b, [-4, 16], slots, ranks)
     with pytest.raises(ValueError, match=r"b\[0\] is torch\.bfloat16"):
         cpu_lora.lora_add(x, y, a, [b[0].bfloat16(), b[1]], [0, 16], slots, ranks)
     with pytest.raises(ValueError, match=r"ranks must be in 0\.\.4"):
