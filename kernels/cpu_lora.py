@@ -28,11 +28,16 @@ def lora_add(
     offsets: list[int],  # each part's first column of y (the parts cover y's columns in order)
     slots: torch.Tensor,  # [tokens] int32, -1: the base model
     ranks: torch.Tensor,  # [slots, parts] int32, 0: the slot leaves the part alone
+    shrunk: torch.Tensor
+    | None = None,  # [tokens, slots * parts * max_rank]: every A x given (skips the shrink)
 ) -> None:
     try:
-        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks)
+        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks, shrunk)
     except RuntimeError as exc:
         _check(x, y, a, b, offsets, slots, ranks)
+        if shrunk is not None:
+            check_dtype("lora_add", "shrunk", shrunk, (x.dtype,))
+            check_shape("lora_add", "shrunk", shrunk, (x.shape[0], a.shape[0] * a.shape[1] * a.shape[2]))
         raise ValueError(f"lora_add: {_kernel_message(exc)}") from None
 
 

@@ -222,7 +222,21 @@ struct Problem {
   std::vector<const void*> b;
   std::vector<int64_t> widths, offsets, b_slot_stride;
   const int32_t* ranks;
+  // Given: every token's A x for every slot and part, [tokens, slots x parts x max_rank] (a prompt chunk's shrink
+  // done by one library GEMM); the tiles then only expand.
+  const void* shrunk_all = nullptr;
+  int64_t shrunk_stride = 0;
 };
+
+// The tile's shrunk values of part p from `shrunk_all`, as the kernel's own shrink would leave them.
+template <typename T, int N>
+inline void gather_shrunk(const Problem& pr, const Tile& tile, int64_t p, int32_t rank, float* shrunk) {
+  const auto* all = static_cast<const typename Elem<T>::storage*>(pr.shrunk_all);
+  const int64_t column = (tile.slot * pr.num_parts + p) * pr.max_rank;
+  for (int t = 0; t < N; ++t)
+    for (int32_t r = 0; r < rank; ++r)
+      shrunk[t * pr.max_rank + r] = Elem<T>::load(all[tile.tokens[t] * pr.shrunk_stride + column + r]);
+}
 
 template <typename T, int N>
 void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::storage* xs,
@@ -237,7 +251,11 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
       const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
       if (rank == 0) continue;
       const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
-      shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
+      if (pr.shrunk_all != nullptr) {
+        gather_shrunk<T, N>(pr, tile, p, rank, shrunk);
+      } else {
+        shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
+      }
       const int64_t width = pr.widths[p];
       const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
       for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
@@ -246,14 +264,20 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
     return;
   }
 #endif
-  for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
+  if (pr.shrunk_all == nullptr)
+    for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
   for (int64_t p = 0; p < pr.num_parts; ++p) {
     const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
     if (rank == 0) continue;
     const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
-    shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
-    for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
-      for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
+    if (pr.shrunk_all != nullptr) {
+      gather_shrunk<T, N>(pr, tile, p, rank, shrunk);
+    } else {
+      shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
+      for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
+        for (int32_t r = 0; r < rank; ++r)
+          shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
+    }
     const int64_t width = pr.widths[p];
     const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
     for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
@@ -306,7 +330,7 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
 // covering y's columns in order; slots [tokens] int32 (-1: none);
 // ranks [slots, parts] int32 (0: the slot leaves that part alone). One dtype (float32 or bfloat16) for all.
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
-              const at::Tensor& slots, const at::Tensor& ranks) {
+              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& shrunk) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [tokens, in], y [tokens, out]");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add: x and y rows must be contiguous");
   TORCH_CHECK(a.dim() == 4 && a.is_contiguous() && a.size(3) == x.size(1),
@@ -348,6 +372,14 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
     pr.b.push_back(bp.data_ptr());
     pr.b_slot_stride.push_back(bp.size(1) * max_rank * 16);
   }
+  if (shrunk.has_value()) {
+    const at::Tensor& s = *shrunk;
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == x.size(0) && s.size(1) == num_slots * num_parts * max_rank &&
+                    s.stride(1) == 1 && s.scalar_type() == dtype,
+                "lora_add: shrunk must be [tokens, slots * parts * rank] of x's dtype with contiguous rows");
+    pr.shrunk_all = s.data_ptr();
+    pr.shrunk_stride = s.stride(0);
+  }
   if (dtype == at::kFloat) {
     lora_rows<float>(x, y, pr, slot_ptr, num_slots);
   } else if (dtype == at::kBFloat16) {
@@ -361,6 +393,7 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
   m.def(
-      "lora_add(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, int[] offsets, Tensor slots, Tensor ranks) -> ()");
+      "lora_add(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, int[] offsets, Tensor slots, Tensor ranks, "
+      "Tensor? shrunk=None) -> ()");
   m.impl("lora_add", c10::DispatchKey::CPU, &structgen_cpu::lora_add);
 }

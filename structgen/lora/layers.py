@@ -22,6 +22,10 @@ from structgen.lora.adapter import LoRAModule, TargetShapes
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
+# Steps of at least this many tokens (prompt chunks) shrink with one oneDNN GEMM over every slot, then the kernel
+# expands; fewer tokens (decodes) do both in the kernel. SmolLM2's projections, 2 cores: BENCHMARKS.md "LoRA".
+SHRINK_GEMM_MIN_TOKENS = 256
+
 
 @dataclass(slots=True)
 class LoRAStep:
@@ -84,6 +88,10 @@ class LoRALinear:
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
     filled_bits: int = 0  # the slots holding weights in any part, as a bit set
     native: bool = False  # the segmented CPU kernel (`kernels/cpu_lora.py`), else the dense torch path
+    # bf16 on the CPU: every slot's A as one oneDNN-packed weight [slots x parts x rank, in], whose one GEMM does
+    # the shrink of a prompt chunk for all slots at once (AMX where the CPU has it) before the kernel expands.
+    packed_a: Linear | None = None
+    pack: bool = False
 
     @classmethod
     def build(
@@ -97,6 +105,7 @@ class LoRALinear:
         dtype: torch.dtype,
         device: torch.device,
         native: bool,
+        pack: bool = False,
     ) -> LoRALinear:
         in_features = parts[0][0]
         offsets, start = [], 0
@@ -118,6 +127,7 @@ class LoRALinear:
             ranks=torch.zeros(num_slots, len(parts), dtype=torch.int32),
             filled=[set() for _ in parts],
             native=native,
+            pack=pack,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +136,12 @@ class LoRALinear:
         if not self.filled_bits & step.slot_bits or x.dim() != 2:
             return y  # no adapter rows in the step, or none of the step's adapters touches this projection
         if self.native and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == self.a.dtype == y.dtype:
+            # A prompt chunk's shrink as one GEMM over every slot (the library's wide products beat the kernel's
+            # per-token ones there, even computing all slots for every token); decodes shrink in the kernel.
+            packed = self.packed_a if x.shape[0] >= SHRINK_GEMM_MIN_TOKENS else None
+            shrunk = packed(x) if packed is not None else None
             torch.ops.structgen_cpu.lora_add(
-                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks
+                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk
             )
             return y
         return self._dense(x, y)
@@ -168,6 +182,16 @@ class LoRALinear:
             self.ranks[slot, p] = rank
             self.filled[p].add(slot)
             self.filled_bits |= 1 << slot
+        self._repack()
+
+    def _repack(self) -> None:
+        if not self.pack:
+            return
+        from structgen.models.cpu_linear import PackedBf16Linear
+
+        self.packed_a = (
+            PackedBf16Linear.from_weight(self.a.view(-1, self.a.shape[-1])) if self.filled_bits else None
+        )
 
     def clear(self, slot: int) -> None:
         for p, slots in enumerate(self.filled):
@@ -200,6 +224,7 @@ def attach_lora_layers(
     weight = next(model.parameters())
     on_cpu = weight.device.type == "cpu"
     native = on_cpu and weight.dtype in (torch.float32, torch.bfloat16) and _kernel_loads()
+    pack = native and weight.dtype == torch.bfloat16 and _packing_works()
     wrappers: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.model.layers):
         for fused, (block, attr) in _PROJECTIONS.items():
@@ -217,6 +242,7 @@ def attach_lora_layers(
                 dtype=weight.dtype,
                 device=weight.device,
                 native=native,
+                pack=pack,
             )
             module.kernel = wrapper
             wrappers[(index, fused)] = wrapper
@@ -227,6 +253,16 @@ def attach_lora_layers(
         enable_flat_forward(model)
         decoder.flat_forward.lora_step = step
     return wrappers
+
+
+def _packing_works() -> bool:
+    from structgen.models.cpu_linear import PackedBf16Linear
+
+    try:
+        PackedBf16Linear.from_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:  # a torch build without oneDNN's bf16 linear
+        return False
+    return True
 
 
 def _kernel_loads() -> bool:
