@@ -28,11 +28,13 @@ def lora_add(
     offsets: list[int],  # each part's first column of y (the parts cover y's columns in order)
     slots: torch.Tensor,  # [tokens] int32, -1: the base model
     ranks: torch.Tensor,  # [slots, parts] int32, 0: the slot leaves the part alone
-    shrunk: torch.Tensor
-    | None = None,  # [tokens, slots * parts * max_rank]: every A x given (skips the shrink)
+    shrunk: torch.Tensor | None = None,
+    a_pairs: torch.Tensor | None = None,
 ) -> None:
+    """`shrunk` [tokens, slots * parts * max_rank]: every token's A x for every slot, given (the kernel then only
+    expands). `a_pairs`: `by_input_pairs(a)`, the layout the BF16 path's faster shrink reads."""
     try:
-        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks, shrunk)
+        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks, shrunk, a_pairs)
     except RuntimeError as exc:
         _check(x, y, a, b, offsets, slots, ranks)
         if shrunk is not None:
@@ -47,6 +49,15 @@ def blocked(b: torch.Tensor) -> torch.Tensor:
     slots, rank, width = b.shape
     padded = torch.nn.functional.pad(b, (0, -width % 16))
     return padded.view(slots, rank, -1, 16).transpose(1, 2).contiguous()
+
+
+def by_input_pairs(a: torch.Tensor) -> torch.Tensor:
+    """A's slots [slots, parts, rank, in] as [slots, in / 2, parts * rank, 2]: per pair of inputs, every rank
+    column's two weights side by side (`in` must be even)."""
+    slots, parts, rank, width = a.shape
+    if width % 2:
+        raise ValueError(f"by_input_pairs: the input width must be even, got {width}")
+    return a.reshape(slots, parts * rank, width // 2, 2).transpose(1, 2).contiguous()
 
 
 def unblocked(b: torch.Tensor, width: int) -> torch.Tensor:

@@ -14,7 +14,8 @@
 // layer, then the final norm's. Returns the final norm's output [rows, hidden].
 //
 // With LoRA adapters (`structgen/lora/layers.py`) in the step: `lora` holds, for each layer and linear in the
-// order above, the slots' `a` [slots, parts, rank, in], their `ranks` [slots, parts] and one `b` per part, and
+// order above, the slots' `a` [slots, parts, rank, in], their `ranks` [slots, parts], `a` by input pairs (or an
+// empty tensor) and one `b` per part, and
 // `lora_slots` each row's slot (-1: none); each projection then adds its rows' adapters (`lora_add`) as the flat
 // forward's wrappers do. Empty `lora`: the base model alone.
 #include <ATen/ATen.h>
@@ -38,7 +39,7 @@ std::vector<int64_t> lora_starts(at::TensorList lora, int64_t linears) {
   for (int64_t i = 0; i < linears; ++i) {
     TORCH_CHECK(at < static_cast<int64_t>(lora.size()) && lora[at].dim() == 4, "decode_layers: bad lora list");
     starts.push_back(at);
-    at += 2 + lora[at].size(1);
+    at += 3 + lora[at].size(1);
   }
   TORCH_CHECK(at == static_cast<int64_t>(lora.size()), "decode_layers: bad lora list length");
   return starts;
@@ -67,7 +68,7 @@ struct Step {
       std::vector<int64_t> offsets{0};
       if (parts == 3) offsets = {0, q_size, q_size + kv_size};
       if (parts == 2) offsets = {0, out.size(1) / 2};
-      lora_add(x, out, a, lora.slice(at + 2, parts), offsets, *lora_slots, lora[at + 1], c10::nullopt);
+      lora_add(x, out, a, lora.slice(at + 3, parts), offsets, *lora_slots, lora[at + 1], c10::nullopt, lora[at + 2]);
     }
     return out;
   }

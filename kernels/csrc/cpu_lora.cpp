@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -19,6 +20,9 @@
 
 namespace structgen_cpu {
 namespace {
+
+// The most parts x rank columns the pair-wise shrink keeps on the stack per token (3 parts of rank 64).
+constexpr int64_t kMaxColumns = 192;
 
 // Tokens are grouped by slot and taken in tiles of up to kTile tokens of one slot: a tile reads its adapter's
 // weights once for all its tokens (each weight row feeds kTile accumulators), which is what makes the product
@@ -116,6 +120,7 @@ inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t wid
 // How far ahead of the products the adapter's weights are pulled into L1 (A: rows; B: blocks of 16 columns).
 constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kPrefetchBlocks = 4;
+constexpr int64_t kPrefetchPairs = 8;
 
 inline __mmask32 lanes32(int64_t left) { return left >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << left) - 1u); }
 
@@ -140,6 +145,48 @@ inline void shrink_bf16(const uint16_t* a, int32_t rank, int64_t in, const uint1
       for (int t = 0; t < N; ++t) acc[t] = dot_pairs(acc[t], av, _mm512_maskz_loadu_epi16(m, x_rows[t] + k));
     }
     for (int t = 0; t < N; ++t) shrunk[t * max_rank + r] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+// The shrink of all parts at once from A laid out by input pairs (`a_pairs`: [in / 2, parts x rank, 2], a rank
+// column's two inputs side by side): per input pair, the tokens' two x values broadcast against 16 rank columns a
+// register. Sums stay in lanes (no horizontal reduction per row) and each weight load feeds every token of the
+// tile. out[t, c] = A[c] . x[t] for the parts x rank columns c; NB blocks of 16 columns per pass.
+template <int N, int NB>
+inline void shrink_pairs_pass(const uint16_t* a_pairs, int64_t in_pairs, int64_t columns, int64_t first_block,
+                              const uint16_t* const* x_rows, float* out) {
+  __m512 acc[N][NB];
+  __mmask16 m[NB];
+  for (int k = 0; k < NB; ++k) m[k] = lanes(columns - (first_block + k) * 16);
+  for (int t = 0; t < N; ++t)
+    for (int k = 0; k < NB; ++k) acc[t][k] = _mm512_setzero_ps();
+  const uint16_t* start = a_pairs + first_block * 32;
+  for (int64_t i = 0; i < in_pairs; ++i) {
+    const uint16_t* pair_row = start + i * columns * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(pair_row + kPrefetchPairs * columns * 2), _MM_HINT_T0);
+    __m512i av[NB];
+    for (int k = 0; k < NB; ++k) av[k] = _mm512_maskz_loadu_epi32(m[k], pair_row + k * 32);
+    for (int t = 0; t < N; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, x_rows[t] + 2 * i, sizeof(pair));
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int k = 0; k < NB; ++k) acc[t][k] = dot_pairs(acc[t][k], xv, av[k]);
+    }
+  }
+  for (int t = 0; t < N; ++t)
+    for (int k = 0; k < NB; ++k) _mm512_mask_storeu_ps(out + t * columns + (first_block + k) * 16, m[k], acc[t][k]);
+}
+
+template <int N>
+inline void shrink_pairs(const uint16_t* a_pairs, int64_t in, int64_t columns, const uint16_t* const* x_rows,
+                         float* out) {
+  const int64_t blocks = (columns + 15) / 16;
+  for (int64_t first = 0; first < blocks; first += 3) {
+    switch (std::min<int64_t>(3, blocks - first)) {
+      case 1: shrink_pairs_pass<N, 1>(a_pairs, in / 2, columns, first, x_rows, out); break;
+      case 2: shrink_pairs_pass<N, 2>(a_pairs, in / 2, columns, first, x_rows, out); break;
+      default: shrink_pairs_pass<N, 3>(a_pairs, in / 2, columns, first, x_rows, out); break;
+    }
   }
 }
 
@@ -226,6 +273,8 @@ struct Problem {
   // done by one library GEMM); the tiles then only expand.
   const void* shrunk_all = nullptr;
   int64_t shrunk_stride = 0;
+  // A by input pairs ([slots, in / 2, parts x rank, 2]) for the BF16 path's shrink; null: A's rows are used.
+  const void* a_pairs = nullptr;
 };
 
 // The tile's shrunk values of part p from `shrunk_all`, as the kernel's own shrink would leave them.
@@ -247,11 +296,21 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const S* x_rows[N];
     for (int t = 0; t < N; ++t) x_rows[t] = xs + tile.tokens[t] * pr.x_stride;
+    const int64_t columns = pr.num_parts * pr.max_rank;
+    const bool by_pairs = pr.a_pairs != nullptr && pr.shrunk_all == nullptr;
+    float all[N * kMaxColumns];
+    if (by_pairs) {
+      const S* a_pairs = static_cast<const S*>(pr.a_pairs) + tile.slot * (pr.in / 2) * columns * 2;
+      shrink_pairs<N>(a_pairs, pr.in, columns, x_rows, all);
+    }
     for (int64_t p = 0; p < pr.num_parts; ++p) {
       const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
       if (rank == 0) continue;
       const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
-      if (pr.shrunk_all != nullptr) {
+      if (by_pairs) {
+        for (int t = 0; t < N; ++t)
+          for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = all[t * columns + p * pr.max_rank + r];
+      } else if (pr.shrunk_all != nullptr) {
         gather_shrunk<T, N>(pr, tile, p, rank, shrunk);
       } else {
         shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
@@ -330,7 +389,8 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
 // covering y's columns in order; slots [tokens] int32 (-1: none);
 // ranks [slots, parts] int32 (0: the slot leaves that part alone). One dtype (float32 or bfloat16) for all.
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
-              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& shrunk) {
+              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& shrunk,
+              const c10::optional<at::Tensor>& a_pairs) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [tokens, in], y [tokens, out]");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add: x and y rows must be contiguous");
   TORCH_CHECK(a.dim() == 4 && a.is_contiguous() && a.size(3) == x.size(1),
@@ -380,6 +440,14 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
     pr.shrunk_all = s.data_ptr();
     pr.shrunk_stride = s.stride(0);
   }
+  if (a_pairs.has_value() && a_pairs->numel() > 0) {
+    const at::Tensor& ap = *a_pairs;
+    TORCH_CHECK(ap.dim() == 4 && ap.is_contiguous() && ap.size(0) == num_slots && ap.size(1) * 2 == x.size(1) &&
+                    ap.size(2) == num_parts * max_rank && ap.size(3) == 2 && ap.scalar_type() == dtype,
+                "lora_add: a_pairs must be contiguous [slots, in / 2, parts * rank, 2] of x's dtype");
+    // Only the BF16 path reads it, and only up to kMaxColumns columns; elsewhere A's rows serve.
+    if (dtype == at::kBFloat16 && num_parts * max_rank <= kMaxColumns) pr.a_pairs = ap.data_ptr();
+  }
   if (dtype == at::kFloat) {
     lora_rows<float>(x, y, pr, slot_ptr, num_slots);
   } else if (dtype == at::kBFloat16) {
@@ -394,6 +462,6 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
   m.def(
       "lora_add(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, int[] offsets, Tensor slots, Tensor ranks, "
-      "Tensor? shrunk=None) -> ()");
+      "Tensor? shrunk=None, Tensor? a_pairs=None) -> ()");
   m.impl("lora_add", c10::DispatchKey::CPU, &structgen_cpu::lora_add);
 }

@@ -83,6 +83,8 @@ class LoRALinear:
     b: list[torch.Tensor]  # per part [slots, rank, out]
     # The same B in the CPU kernel's layout (`cpu_lora.blocked`: [slots, out / 16, rank, 16]), when `native`.
     kb: list[torch.Tensor]
+    # A by input pairs (`cpu_lora.by_input_pairs`) for the kernel's bf16 shrink; empty where it does not apply.
+    ka: torch.Tensor
     offsets: list[int]  # each part's first output column
     ranks: torch.Tensor  # [slots, parts] int32 (CPU): each slot's rank per part, 0 where it has none
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
@@ -123,6 +125,13 @@ class LoRALinear:
             ]
             if native
             else [],
+            ka=torch.zeros(
+                (num_slots, in_features // 2, len(parts) * max_rank, 2)
+                if native and dtype == torch.bfloat16 and in_features % 2 == 0
+                else (0,),
+                dtype=dtype,
+                device=device,
+            ),
             offsets=offsets,
             ranks=torch.zeros(num_slots, len(parts), dtype=torch.int32),
             filled=[set() for _ in parts],
@@ -141,7 +150,7 @@ class LoRALinear:
             packed = self.packed_a if x.shape[0] >= SHRINK_GEMM_MIN_TOKENS else None
             shrunk = packed(x) if packed is not None else None
             torch.ops.structgen_cpu.lora_add(
-                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk
+                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk, self.ka
             )
             return y
         return self._dense(x, y)
@@ -182,6 +191,10 @@ class LoRALinear:
             self.ranks[slot, p] = rank
             self.filled[p].add(slot)
             self.filled_bits |= 1 << slot
+        if self.ka.numel():
+            from structgen.kernels.cpu_lora import by_input_pairs
+
+            self.ka[slot] = by_input_pairs(self.a[slot : slot + 1])[0]
         self._repack()
 
     def _repack(self) -> None:

@@ -115,7 +115,7 @@ class NativeDecodeStep:
     head_dim: int
     scale: float
     max_rows: int
-    # The LoRA slots of every projection (`structgen.lora.layers.LoRALinear`: a, ranks, kb per part, in the
+    # The LoRA slots of every projection (`structgen.lora.layers.LoRALinear`: a, ranks, ka, kb per part, in the
     # weights' order), empty without adapters: steps with adapter rows add them inside the native call.
     lora: list[torch.Tensor]
     _caches: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -151,7 +151,7 @@ class NativeDecodeStep:
                 if hasattr(
                     kernel, "ranks"
                 ):  # a LoRA wrapper (structgen.lora.layers): its slots, then its kernel
-                    lora += [kernel.a, kernel.ranks, *kernel.kb]
+                    lora += [kernel.a, kernel.ranks, kernel.ka, *kernel.kb]
                     kernel = kernel.base
                     wrapped += 1
                 if not isinstance(kernel, QuantizedSmallBatches) or not isinstance(kernel.gemv, WoqGemv):

@@ -99,3 +99,17 @@ def test_given_shrink_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(y.float(), expected.float(), rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="shrunk must have shape"):
         cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, shrunk=shrunk[:, :-1])
+
+
+@pytest.mark.parametrize(("tokens", "widths"), [(1, [64]), (11, [48, 16, 16]), (8, [40, 40])])
+def test_shrink_by_input_pairs_matches_reference(tokens: int, widths: list[int]) -> None:
+    """The bf16 shrink from A laid out by input pairs (each weight load feeding every token of a tile)."""
+    x, y, a, b, ranks, slots = problem(
+        tokens=tokens, in_features=96, widths=widths, slots=3, max_rank=8, dtype=torch.bfloat16, seed=tokens
+    )
+    offsets = [sum(widths[:p]) for p in range(len(widths))]
+    b = [cpu_lora.blocked(t) for t in b]
+    expected = y.clone()
+    cpu_lora.lora_add_reference(x, expected, a, b, offsets, slots, ranks)
+    cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, a_pairs=cpu_lora.by_input_pairs(a))
+    torch.testing.assert_close(y.float(), expected.float(), rtol=8e-3, atol=8e-3)

@@ -70,7 +70,7 @@ def test_native_step_adds_the_adapters_as_the_flat_loop_does(pattern: list[int])
     model, step = model_with_adapters()
     flat = model.model.flat_forward
     native = flat.native_decode
-    assert native is not None and len(native.lora) == 2 * (5 + 3 + 4 + 3)  # a, ranks, b per part
+    assert native is not None and len(native.lora) == 2 * (6 + 4 + 5 + 4)  # a, ranks, ka, b per part
     model.model.flat_forward = WithSlots(flat, step, pattern)
     flat.native_decode = None
     expected = run_steps(model)
