@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -263,6 +264,16 @@ inline void expand(const typename Elem<T>::storage* b, int32_t rank, int64_t wid
 
 #endif
 
+// Whether tiles of T run the AVX512-BF16 path (which reads bf16 x rows as they are).
+template <typename T>
+constexpr bool bf16_dot() {
+#ifdef STRUCTGEN_LORA_BF16_DOT
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
 struct Problem {
   int64_t in, num_parts, max_rank, x_stride, y_stride;
   const void* a;
@@ -364,18 +375,22 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
   const S* xs = reinterpret_cast<const S*>(x.data_ptr());
   S* ys = reinterpret_cast<S*>(y.data_ptr());
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(kTile * pr.in), shrunk(kTile * pr.max_rank);
+    // Scratch, not zeroed: every value is written before it is read. The float copies of x rows are only for
+    // the paths that shrink from them (not the BF16 path, nor a given shrink).
+    const bool float_rows = !bf16_dot<T>() && pr.shrunk_all == nullptr;
+    std::unique_ptr<float[]> xf(new float[float_rows ? kTile * pr.in : 1]);
+    std::unique_ptr<float[]> shrunk(new float[kTile * pr.max_rank]);
     for (int64_t i = begin; i < end; ++i) {
       const Tile& tile = tiles[i];
       switch (tile.count) {
-        case 1: run_tile<T, 1>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 2: run_tile<T, 2>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 3: run_tile<T, 3>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 4: run_tile<T, 4>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 5: run_tile<T, 5>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 6: run_tile<T, 6>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        case 7: run_tile<T, 7>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
-        default: run_tile<T, kTile>(pr, tile, xs, ys, xf.data(), shrunk.data()); break;
+        case 1: run_tile<T, 1>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 2: run_tile<T, 2>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 3: run_tile<T, 3>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 4: run_tile<T, 4>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 5: run_tile<T, 5>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 6: run_tile<T, 6>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        case 7: run_tile<T, 7>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
+        default: run_tile<T, kTile>(pr, tile, xs, ys, xf.get(), shrunk.get()); break;
       }
     }
   });

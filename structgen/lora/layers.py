@@ -94,6 +94,9 @@ class LoRALinear:
     # the shrink of a prompt chunk for all slots at once (AMX where the CPU has it) before the kernel expands.
     packed_a: Linear | None = None
     pack: bool = False
+    op: Callable[..., None] | None = (
+        None  # the kernel's op overload, bound once (called ~4 times a layer a step)
+    )
 
     @classmethod
     def build(
@@ -137,6 +140,7 @@ class LoRALinear:
             filled=[set() for _ in parts],
             native=native,
             pack=pack,
+            op=torch.ops.structgen_cpu.lora_add.default if native else None,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,9 +153,7 @@ class LoRALinear:
             # per-token ones there, even computing all slots for every token); decodes shrink in the kernel.
             packed = self.packed_a if x.shape[0] >= SHRINK_GEMM_MIN_TOKENS else None
             shrunk = packed(x) if packed is not None else None
-            torch.ops.structgen_cpu.lora_add(
-                x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk, self.ka
-            )
+            self.op(x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk, self.ka)
             return y
         return self._dense(x, y)
 
