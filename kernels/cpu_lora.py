@@ -28,18 +28,15 @@ def lora_add(
     offsets: list[int],  # each part's first column of y (the parts cover y's columns in order)
     slots: torch.Tensor,  # [tokens] int32, -1: the base model
     ranks: torch.Tensor,  # [slots, parts] int32, 0: the slot leaves the part alone
-    shrunk: torch.Tensor | None = None,
     a_pairs: torch.Tensor | None = None,
 ) -> None:
-    """`shrunk` [tokens, slots * parts * max_rank]: every token's A x for every slot, given (the kernel then only
-    expands). `a_pairs`: `by_input_pairs(a)`, the layout the BF16 path's faster shrink reads."""
+    """`a_pairs`: `by_input_pairs(a)`, the layout the BF16 path's faster shrink reads (optional)."""
     try:
-        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks, shrunk, a_pairs)
+        torch.ops.structgen_cpu.lora_add(x, y, a, b, offsets, slots, ranks, a_pairs)
     except RuntimeError as exc:
         _check(x, y, a, b, offsets, slots, ranks)
-        if shrunk is not None:
-            check_dtype("lora_add", "shrunk", shrunk, (x.dtype,))
-            check_shape("lora_add", "shrunk", shrunk, (x.shape[0], a.shape[0] * a.shape[1] * a.shape[2]))
+        if a_pairs is not None:
+            check_dtype("lora_add", "a_pairs", a_pairs, (x.dtype,))
         raise ValueError(f"lora_add: {_kernel_message(exc)}") from None
 
 

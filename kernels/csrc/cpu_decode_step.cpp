@@ -68,7 +68,7 @@ struct Step {
       std::vector<int64_t> offsets{0};
       if (parts == 3) offsets = {0, q_size, q_size + kv_size};
       if (parts == 2) offsets = {0, out.size(1) / 2};
-      lora_add(x, out, a, lora.slice(at + 3, parts), offsets, *lora_slots, lora[at + 1], c10::nullopt, lora[at + 2]);
+      lora_add(x, out, a, lora.slice(at + 3, parts), offsets, *lora_slots, lora[at + 1], lora[at + 2]);
     }
     return out;
   }

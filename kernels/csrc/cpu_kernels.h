@@ -23,7 +23,6 @@ void woq_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
               int64_t bits, at::Tensor& out);
 
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
-              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& shrunk,
-              const c10::optional<at::Tensor>& a_pairs);
+              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& a_pairs);
 
 }  // namespace structgen_cpu

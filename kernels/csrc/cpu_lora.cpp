@@ -280,23 +280,9 @@ struct Problem {
   std::vector<const void*> b;
   std::vector<int64_t> widths, offsets, b_slot_stride;
   const int32_t* ranks;
-  // Given: every token's A x for every slot and part, [tokens, slots x parts x max_rank] (a prompt chunk's shrink
-  // done by one library GEMM); the tiles then only expand.
-  const void* shrunk_all = nullptr;
-  int64_t shrunk_stride = 0;
   // A by input pairs ([slots, in / 2, parts x rank, 2]) for the BF16 path's shrink; null: A's rows are used.
   const void* a_pairs = nullptr;
 };
-
-// The tile's shrunk values of part p from `shrunk_all`, as the kernel's own shrink would leave them.
-template <typename T, int N>
-inline void gather_shrunk(const Problem& pr, const Tile& tile, int64_t p, int32_t rank, float* shrunk) {
-  const auto* all = static_cast<const typename Elem<T>::storage*>(pr.shrunk_all);
-  const int64_t column = (tile.slot * pr.num_parts + p) * pr.max_rank;
-  for (int t = 0; t < N; ++t)
-    for (int32_t r = 0; r < rank; ++r)
-      shrunk[t * pr.max_rank + r] = Elem<T>::load(all[tile.tokens[t] * pr.shrunk_stride + column + r]);
-}
 
 template <typename T, int N>
 void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::storage* xs,
@@ -308,7 +294,7 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
     const S* x_rows[N];
     for (int t = 0; t < N; ++t) x_rows[t] = xs + tile.tokens[t] * pr.x_stride;
     const int64_t columns = pr.num_parts * pr.max_rank;
-    const bool by_pairs = pr.a_pairs != nullptr && pr.shrunk_all == nullptr;
+    const bool by_pairs = pr.a_pairs != nullptr;
     float all[N * kMaxColumns];
     if (by_pairs) {
       const S* a_pairs = static_cast<const S*>(pr.a_pairs) + tile.slot * (pr.in / 2) * columns * 2;
@@ -321,8 +307,6 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
       if (by_pairs) {
         for (int t = 0; t < N; ++t)
           for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = all[t * columns + p * pr.max_rank + r];
-      } else if (pr.shrunk_all != nullptr) {
-        gather_shrunk<T, N>(pr, tile, p, rank, shrunk);
       } else {
         shrink_bf16<N>(a, rank, pr.in, x_rows, shrunk, pr.max_rank);
       }
@@ -334,20 +318,14 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
     return;
   }
 #endif
-  if (pr.shrunk_all == nullptr)
-    for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
+  for (int t = 0; t < N; ++t) to_float<T>(xs + tile.tokens[t] * pr.x_stride, xf + t * pr.in, pr.in);
   for (int64_t p = 0; p < pr.num_parts; ++p) {
     const int32_t rank = pr.ranks[tile.slot * pr.num_parts + p];
     if (rank == 0) continue;
     const S* a = static_cast<const S*>(pr.a) + (tile.slot * pr.num_parts + p) * pr.max_rank * pr.in;
-    if (pr.shrunk_all != nullptr) {
-      gather_shrunk<T, N>(pr, tile, p, rank, shrunk);
-    } else {
-      shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
-      for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
-        for (int32_t r = 0; r < rank; ++r)
-          shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
-    }
+    shrink<T, N>(a, rank, pr.in, xf, shrunk, pr.max_rank);
+    for (int t = 0; t < N; ++t)  // rounded to the model's dtype before the expand, as on the BF16 path
+      for (int32_t r = 0; r < rank; ++r) shrunk[t * pr.max_rank + r] = Elem<T>::round(shrunk[t * pr.max_rank + r]);
     const int64_t width = pr.widths[p];
     const S* b = static_cast<const S*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
     for (int t = 0; t < N; ++t) y_rows[t] = ys + tile.tokens[t] * pr.y_stride + pr.offsets[p];
@@ -376,8 +354,8 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
   S* ys = reinterpret_cast<S*>(y.data_ptr());
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     // Scratch, not zeroed: every value is written before it is read. The float copies of x rows are only for
-    // the paths that shrink from them (not the BF16 path, nor a given shrink).
-    const bool float_rows = !bf16_dot<T>() && pr.shrunk_all == nullptr;
+    // the paths that shrink from them (not the BF16 path).
+    const bool float_rows = !bf16_dot<T>();
     std::unique_ptr<float[]> xf(new float[float_rows ? kTile * pr.in : 1]);
     std::unique_ptr<float[]> shrunk(new float[kTile * pr.max_rank]);
     for (int64_t i = begin; i < end; ++i) {
@@ -404,8 +382,7 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
 // covering y's columns in order; slots [tokens] int32 (-1: none);
 // ranks [slots, parts] int32 (0: the slot leaves that part alone). One dtype (float32 or bfloat16) for all.
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
-              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& shrunk,
-              const c10::optional<at::Tensor>& a_pairs) {
+              const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& a_pairs) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [tokens, in], y [tokens, out]");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add: x and y rows must be contiguous");
   TORCH_CHECK(a.dim() == 4 && a.is_contiguous() && a.size(3) == x.size(1),
@@ -447,14 +424,6 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
     pr.b.push_back(bp.data_ptr());
     pr.b_slot_stride.push_back(bp.size(1) * max_rank * 16);
   }
-  if (shrunk.has_value()) {
-    const at::Tensor& s = *shrunk;
-    TORCH_CHECK(s.dim() == 2 && s.size(0) == x.size(0) && s.size(1) == num_slots * num_parts * max_rank &&
-                    s.stride(1) == 1 && s.scalar_type() == dtype,
-                "lora_add: shrunk must be [tokens, slots * parts * rank] of x's dtype with contiguous rows");
-    pr.shrunk_all = s.data_ptr();
-    pr.shrunk_stride = s.stride(0);
-  }
   if (a_pairs.has_value() && a_pairs->numel() > 0) {
     const at::Tensor& ap = *a_pairs;
     TORCH_CHECK(ap.dim() == 4 && ap.is_contiguous() && ap.size(0) == num_slots && ap.size(1) * 2 == x.size(1) &&
@@ -477,6 +446,6 @@ void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::Tensor
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
   m.def(
       "lora_add(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, int[] offsets, Tensor slots, Tensor ranks, "
-      "Tensor? shrunk=None, Tensor? a_pairs=None) -> ()");
+      "Tensor? a_pairs=None) -> ()");
   m.impl("lora_add", c10::DispatchKey::CPU, &structgen_cpu::lora_add);
 }

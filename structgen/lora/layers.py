@@ -22,10 +22,6 @@ from structgen.lora.adapter import LoRAModule, TargetShapes
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
-# Steps of at least this many tokens (prompt chunks) shrink with one oneDNN GEMM over every slot, then the kernel
-# expands; fewer tokens (decodes) do both in the kernel. SmolLM2's projections, 2 cores: BENCHMARKS.md "LoRA".
-SHRINK_GEMM_MIN_TOKENS = 256
-
 
 @dataclass(slots=True)
 class LoRAStep:
@@ -90,10 +86,6 @@ class LoRALinear:
     filled: list[set[int]] = field(default_factory=list)  # per part: the slots holding weights there
     filled_bits: int = 0  # the slots holding weights in any part, as a bit set
     native: bool = False  # the segmented CPU kernel (`kernels/cpu_lora.py`), else the dense torch path
-    # bf16 on the CPU: every slot's A as one oneDNN-packed weight [slots x parts x rank, in], whose one GEMM does
-    # the shrink of a prompt chunk for all slots at once (AMX where the CPU has it) before the kernel expands.
-    packed_a: Linear | None = None
-    pack: bool = False
     op: Callable[..., None] | None = (
         None  # the kernel's op overload, bound once (called ~4 times a layer a step)
     )
@@ -110,7 +102,6 @@ class LoRALinear:
         dtype: torch.dtype,
         device: torch.device,
         native: bool,
-        pack: bool = False,
     ) -> LoRALinear:
         in_features = parts[0][0]
         offsets, start = [], 0
@@ -139,7 +130,6 @@ class LoRALinear:
             ranks=torch.zeros(num_slots, len(parts), dtype=torch.int32),
             filled=[set() for _ in parts],
             native=native,
-            pack=pack,
             op=torch.ops.structgen_cpu.lora_add.default if native else None,
         )
 
@@ -149,11 +139,7 @@ class LoRALinear:
         if not self.filled_bits & step.slot_bits or x.dim() != 2:
             return y  # no adapter rows in the step, or none of the step's adapters touches this projection
         if self.native and x.stride(1) == 1 and y.stride(1) == 1 and x.dtype == self.a.dtype == y.dtype:
-            # A prompt chunk's shrink as one GEMM over every slot (the library's wide products beat the kernel's
-            # per-token ones there, even computing all slots for every token); decodes shrink in the kernel.
-            packed = self.packed_a if x.shape[0] >= SHRINK_GEMM_MIN_TOKENS else None
-            shrunk = packed(x) if packed is not None else None
-            self.op(x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, shrunk, self.ka)
+            self.op(x, y, self.a, self.kb, self.offsets, step.token_slots, self.ranks, self.ka)
             return y
         return self._dense(x, y)
 
@@ -197,16 +183,6 @@ class LoRALinear:
             from structgen.kernels.cpu_lora import by_input_pairs
 
             self.ka[slot] = by_input_pairs(self.a[slot : slot + 1])[0]
-        self._repack()
-
-    def _repack(self) -> None:
-        if not self.pack:
-            return
-        from structgen.models.cpu_linear import PackedBf16Linear
-
-        self.packed_a = (
-            PackedBf16Linear.from_weight(self.a.view(-1, self.a.shape[-1])) if self.filled_bits else None
-        )
 
     def clear(self, slot: int) -> None:
         for p, slots in enumerate(self.filled):
@@ -239,7 +215,6 @@ def attach_lora_layers(
     weight = next(model.parameters())
     on_cpu = weight.device.type == "cpu"
     native = on_cpu and weight.dtype in (torch.float32, torch.bfloat16) and _kernel_loads()
-    pack = native and weight.dtype == torch.bfloat16 and _packing_works()
     wrappers: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.model.layers):
         for fused, (block, attr) in _PROJECTIONS.items():
@@ -257,7 +232,6 @@ def attach_lora_layers(
                 dtype=weight.dtype,
                 device=weight.device,
                 native=native,
-                pack=pack,
             )
             module.kernel = wrapper
             wrappers[(index, fused)] = wrapper
@@ -268,16 +242,6 @@ def attach_lora_layers(
         enable_flat_forward(model)
         decoder.flat_forward.lora_step = step
     return wrappers
-
-
-def _packing_works() -> bool:
-    from structgen.models.cpu_linear import PackedBf16Linear
-
-    try:
-        PackedBf16Linear.from_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:  # a torch build without oneDNN's bf16 linear
-        return False
-    return True
 
 
 def _kernel_loads() -> bool:

@@ -82,25 +82,6 @@ def test_refusals_name_the_argument() -> None:
         cpu_lora.lora_add(x, y, a, b, [0, 16], slots, ranks + 5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_given_shrink_matches_reference(dtype: torch.dtype) -> None:
-    """A prompt chunk's shrink done beforehand for every slot (one library GEMM): the kernel only expands."""
-    widths = [48, 16, 16]
-    x, y, a, b, ranks, slots = problem(
-        tokens=21, in_features=64, widths=widths, slots=3, max_rank=8, dtype=dtype, seed=4
-    )
-    offsets = [0, 48, 64]
-    b = [cpu_lora.blocked(t) for t in b]
-    expected = y.clone()
-    cpu_lora.lora_add_reference(x, expected, a, b, offsets, slots, ranks)
-    shrunk = (x.float() @ a.reshape(-1, 64).float().t()).to(dtype)  # [tokens, slots * parts * rank]
-    cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, shrunk=shrunk)
-    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(y.float(), expected.float(), rtol=tolerance, atol=tolerance)
-    with pytest.raises(ValueError, match="shrunk must have shape"):
-        cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, shrunk=shrunk[:, :-1])
-
-
 @pytest.mark.parametrize(("tokens", "widths"), [(1, [64]), (11, [48, 16, 16]), (8, [40, 40])])
 def test_shrink_by_input_pairs_matches_reference(tokens: int, widths: list[int]) -> None:
     """The bf16 shrink from A laid out by input pairs (each weight load feeding every token of a tile)."""

@@ -75,3 +75,43 @@ def test_reloading_a_slot_replaces_it() -> None:
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
     step.set([0, 2], device=torch.device("cpu"))
     torch.testing.assert_close(layer(x), expected(x, [2, 2], modules, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_lora.available(), reason="native CPU kernels unavailable")
+def test_bf16_kernel_gives_each_token_its_own_adapter() -> None:
+    """On bf16 (the CPU's default) the kernel's shrink runs from A by input pairs (AVX512-BF16 where present)."""
+    from structgen.models.cpu_linear import PackedBf16Linear
+
+    step = LoRAStep()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 32, generator=g).bfloat16()
+    layer = LoRALinear.build(
+        PackedBf16Linear.from_weight(weight),
+        step,
+        PARTS,
+        num_slots=3,
+        max_rank=4,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        native=True,
+    )
+    modules: dict[int, list[LoRAModule | None]] = {}
+    for slot, ranks in RANKS.items():
+        modules[slot] = [
+            LoRAModule(
+                a=torch.randn(r, 32, generator=g).bfloat16(), b=torch.randn(out, r, generator=g).bfloat16()
+            )
+            if r
+            else None
+            for r, (_, out) in zip(ranks, PARTS, strict=True)
+        ]
+        layer.load(slot, modules[slot])
+    assert layer.ka.numel()  # the by-pairs copy of A is kept for the kernel
+    tokens = 27
+    slots = [(t % 4) - 1 for t in range(tokens)]
+    x = torch.randn(tokens, 32, generator=g).bfloat16()
+    step.set(slots, device=torch.device("cpu"))
+    got = layer(x).float()
+    fp32 = {s: [m and LoRAModule(m.a.float(), m.b.float()) for m in ms] for s, ms in modules.items()}
+    want = expected(x.float(), slots, fp32, weight.float())
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=6e-2)
