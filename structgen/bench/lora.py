@@ -65,15 +65,23 @@ def make_llm(args: argparse.Namespace, *, lora: bool) -> Any:
     )
 
 
-def write_adapters(llm: Any, directory: Path, *, count: int, rank: int) -> list[Any]:
-    """`count` random adapters for the engine's model in `directory`, as requests naming them."""
+def write_adapters(
+    llm: Any, directory: Path, *, count: int, rank: int, target_modules: list[str] | None = None
+) -> list[Any]:
+    """`count` random adapters for the engine's model in `directory`, as requests naming them (on every
+    projection unless `target_modules` names some)."""
     from structgen.lora import LoRARequest
     from structgen.lora.random_adapter import write_random_adapter
 
     requests = []
     for i in range(count):
         path = write_random_adapter(
-            directory / f"adapter-{i}", llm.engine.model_dir, rank=rank, alpha=2 * rank, seed=i
+            directory / f"adapter-{i}",
+            llm.engine.model_dir,
+            rank=rank,
+            alpha=2 * rank,
+            seed=i,
+            **({"target_modules": target_modules} if target_modules else {}),
         )
         requests.append(LoRARequest(f"adapter-{i}", i + 1, str(path)))
     return requests
@@ -128,7 +136,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     per_pass: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
         with tempfile.TemporaryDirectory(prefix="structgen-bench-lora-") as directory:
-            adapters = write_adapters(llms["lora"], Path(directory), count=args.adapters, rank=args.rank)
+            adapters = write_adapters(
+                llms["lora"],
+                Path(directory),
+                count=args.adapters,
+                rank=args.rank,
+                target_modules=args.target_modules,
+            )
             loras_of = {
                 "base": [None] * args.requests,
                 "lora": [adapters[i % len(adapters)] for i in range(args.requests)],
@@ -166,6 +180,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.requests,
         "adapters": args.adapters,
         "rank": args.rank,
+        "target_modules": args.target_modules or "all",
         "max_tokens": args.max_tokens,
         "passes": args.passes,
         "base_tok_s": round(base.rate(), 1),
@@ -194,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--adapters", type=int, default=4, help="random adapters, = max_loras (default %(default)s)"
     )
     ap.add_argument("--rank", type=int, default=16, help="rank of every adapter module (default %(default)s)")
+    ap.add_argument(
+        "--target-modules",
+        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        default=None,
+        help="comma-separated projections the adapters adapt, e.g. q_proj,v_proj (default: all seven)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per output (default %(default)s)")
     ap.add_argument("--passes", type=int, default=4, help="measured passes per side (default %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
