@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 
 
@@ -44,3 +48,23 @@ def wait_idle(engine: Any, timeout: float = 10.0) -> None:
     while engine.engine.has_unfinished():
         assert time.monotonic() < deadline, "a request never left the engine"
         time.sleep(0.01)
+
+
+def start_structgen_serve(
+    args: list[str], *, startup_timeout: float = 120.0
+) -> tuple[subprocess.Popen[str], str]:
+    """`structgen serve ARGS --port P` as a subprocess (one OpenMP thread), once `/health` answers: (process, base
+    URL). The caller stops it."""
+    port = free_port()
+    command = [sys.executable, "-m", "structgen.cli", "serve", *args, "--port", str(port)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "structgen serve did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            time.sleep(0.2)

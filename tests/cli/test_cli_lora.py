@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from cli_helpers import structgen, write_jsonl
-from live_server import free_port
+from live_server import start_structgen_serve
 
 from structgen.cli import _build_parser, main
 from structgen.commands.engine_args import engine_config
@@ -124,24 +120,12 @@ def test_serve_with_an_adapter_the_model_cannot_serve_exits_with_one_line(
 
 
 def test_serve_lists_and_routes_its_adapters(tiny_lora_adapters: dict[str, Path]) -> None:
-    port = free_port()
     poet = json.dumps(
         {"name": "poet", "path": str(tiny_lora_adapters["poet"]), "base_model_name": "tiny-base"}
     )
-    command = [sys.executable, "-m", "structgen.cli", "serve", *ENGINE, "--port", str(port), "--api-key", "k"]
-    command += ["--lora-modules", f"sql={tiny_lora_adapters['sql']}", poet]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    args = [*ENGINE, "--api-key", "k", "--lora-modules", f"sql={tiny_lora_adapters['sql']}", poet]
+    server, url = start_structgen_serve(args)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "structgen serve did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         with httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=30) as client:
             cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
             assert list(cards) == ["tiny", "sql", "poet"]

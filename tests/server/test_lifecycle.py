@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
-from live_server import free_port, serve, wait_idle
+from live_server import serve, start_structgen_serve, wait_idle
 from server_helpers import USER, assert_error, assert_error_body, call
 
 from structgen.engine.async_engine import AsyncEngine
@@ -90,21 +87,9 @@ def test_drain_aborts_what_is_left_after_the_timeout(engine: AsyncEngine) -> Non
 
 
 def test_sigterm_on_structgen_serve_aborts_in_flight_streams_and_exits() -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "structgen.cli", "serve", "--model", "tiny", "--device", "cpu"]
-    command += ["--port", str(port), "--kv-cache-tokens", "2048", "--shutdown-timeout", "0.5"]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    args = ["--model", "tiny", "--device", "cpu", "--kv-cache-tokens", "2048", "--shutdown-timeout", "0.5"]
+    server, url = start_structgen_serve(args)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "structgen serve did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         started = threading.Event()
         streamer, lines = in_thread(lambda: stream_lines(url, LONG, started))
         assert started.wait(30)
