@@ -4,7 +4,7 @@
 product; `manager` registers adapters and swaps them into the model's slots.
 """
 
-from structgen.lora.adapter import LoRAError
+from structgen.lora.errors import LoRAError
 from structgen.lora.request import LoRARequest
 
 __all__ = ["LoRAError", "LoRARequest"]

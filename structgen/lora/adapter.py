@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from structgen.lora.errors import LoRAError
+
 # HF module name -> (the model's fused projection, part index within it).
-_MODULE_PARTS: dict[str, tuple[str, int]] = {
+MODULE_PARTS: dict[str, tuple[str, int]] = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -30,19 +32,10 @@ _MODULE_PARTS: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-SUPPORTED_MODULES = tuple(_MODULE_PARTS)
+SUPPORTED_MODULES = tuple(MODULE_PARTS)
 _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$"
 )
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served: what is wrong with it, in words a user can act on. `status` is the
-    HTTP status the server answers it with (404: nothing at the path or no such adapter; 400 otherwise)."""
-
-    def __init__(self, message: str, *, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +90,7 @@ class LoRAAdapter:
     def target_modules(self) -> list[str]:
         """The HF names of the projections it adapts (in any layer)."""
         adapted = {(fused, part) for _, fused, part in self.modules}
-        return [name for name, target in _MODULE_PARTS.items() if target in adapted]
+        return [name for name, target in MODULE_PARTS.items() if target in adapted]
 
 
 def load_adapter(
@@ -130,13 +123,13 @@ def load_adapter(
             match.group(3),
             match.group(4),
         )
-        if module not in _MODULE_PARTS:
+        if module not in MODULE_PARTS:
             raise LoRAError(
                 f"adapter targets {module!r}, which the model does not have; supported: {', '.join(SUPPORTED_MODULES)}"
             )
         if layer >= shapes.num_layers:
             raise LoRAError(f"adapter targets layer {layer}, but the model has {shapes.num_layers} layers")
-        fused, part = _MODULE_PARTS[module]
+        fused, part = MODULE_PARTS[module]
         pairs.setdefault((layer, fused, part), {})[which] = tensor
         module_names[(layer, fused, part)] = module_name
     if not pairs:

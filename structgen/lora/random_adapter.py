@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from structgen.lora.adapter import _MODULE_PARTS, SUPPORTED_MODULES, TargetShapes
+from structgen.lora.adapter import MODULE_PARTS, SUPPORTED_MODULES, TargetShapes
 
 # Which block of a decoder layer holds each projection, in PEFT's (HF's) module names.
 _BLOCKS = {
@@ -65,7 +65,7 @@ def write_random_adapter(
         for module in SUPPORTED_MODULES:  # a fixed order: the seed alone decides the values
             if module not in target_modules:
                 continue
-            fused, part = _MODULE_PARTS[module]
+            fused, part = MODULE_PARTS[module]
             in_features, out_features = shapes.parts[fused][part]
             prefix = f"base_model.model.model.layers.{layer}.{_BLOCKS[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = _uniform(rank, in_features, generator, dtype)
