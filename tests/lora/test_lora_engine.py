@@ -181,3 +181,12 @@ def test_bad_adapter_fails_the_request_alone(tiny_model: Any, adapters: Adapters
         engine.add_request("r", PROMPTS[0], GREEDY, lora_request=LoRARequest("m", 1, str(tmp_path / "nope")))
     assert missing.value.status == 404
     check(adapters, run(engine, {"qv8-0": (0, adapters.request("qv8")), "base-0": (0, None)}))
+
+
+def test_tensor_parallel_is_refused_with_lora() -> None:
+    from structgen.config import EngineConfig, LoRAConfig
+
+    with pytest.raises(ValueError, match="LoRA adapters are not served with tensor_parallel_size > 1"):
+        EngineConfig(model="tiny", tensor_parallel_size=2, lora=LoRAConfig())
+    with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(4\\)"):
+        LoRAConfig(max_loras=4, max_cpu_loras=2)
