@@ -195,17 +195,14 @@ inline void shrink_pairs(const uint16_t* a_pairs, int64_t in, int64_t columns, c
 // LoRA product rounds them), rank pairs (r, r + 1) as one dot product: B's two rows interleaved per column.
 template <int N>
 inline void expand_bf16(const uint16_t* b, int32_t rank, int64_t width, const float* shrunk, int64_t max_rank,
-                        uint16_t* const* y_rows, int64_t stride = -1, int64_t first = 0, int64_t last = -1) {
-  // `shrunk[t * stride + r]` (stride: max_rank unless given); columns first..last (default: all of them).
-  if (stride < 0) stride = max_rank;
-  if (last < 0) last = width;
+                        uint16_t* const* y_rows) {
   using E = Elem<c10::BFloat16>;
   const int32_t num_pairs = (rank + 1) / 2;
   std::vector<int32_t> pairs(N * num_pairs);
   for (int t = 0; t < N; ++t)
     for (int32_t i = 0; i < num_pairs; ++i) {
-      const uint32_t lo = E::store(shrunk[t * stride + 2 * i]);
-      const uint32_t hi = 2 * i + 1 < rank ? E::store(shrunk[t * stride + 2 * i + 1]) : 0u;
+      const uint32_t lo = E::store(shrunk[t * max_rank + 2 * i]);
+      const uint32_t hi = 2 * i + 1 < rank ? E::store(shrunk[t * max_rank + 2 * i + 1]) : 0u;
       pairs[t * num_pairs + i] = static_cast<int32_t>(lo | (hi << 16));
     }
   alignas(64) int16_t order[32];
@@ -214,7 +211,7 @@ inline void expand_bf16(const uint16_t* b, int32_t rank, int64_t width, const fl
     order[2 * i + 1] = static_cast<int16_t>(16 + i);
   }
   const __m512i interleave = _mm512_load_si512(order);
-  for (int64_t j = first; j < last; j += 16) {
+  for (int64_t j = 0; j < width; j += 16) {
     const __mmask16 m = lanes(width - j);
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
@@ -336,51 +333,6 @@ void run_tile(const Problem& pr, const Tile& tile, const typename Elem<T>::stora
   }
 }
 
-#ifdef STRUCTGEN_LORA_BF16_DOT
-// Columns of a part one work item expands when a call has fewer tiles than threads.
-constexpr int64_t kSplitColumns = 64;
-
-// One tile's whole product spread over the threads (a single stream's token, a lone request of an adapter): the
-// shrink by blocks of 16 rank columns, then the expand by parts and 64-column stretches. A tile on one thread
-// would read its adapter's weights at one core's pace while the others wait.
-template <int N>
-void split_tile(const Problem& pr, const Tile& tile, const uint16_t* xs, uint16_t* ys) {
-  const int64_t columns = pr.num_parts * pr.max_rank, blocks = (columns + 15) / 16;
-  const uint16_t* x_rows[N];
-  uint16_t* y_base[N];
-  for (int t = 0; t < N; ++t) {
-    x_rows[t] = xs + tile.tokens[t] * pr.x_stride;
-    y_base[t] = ys + tile.tokens[t] * pr.y_stride;
-  }
-  const uint16_t* a_pairs = static_cast<const uint16_t*>(pr.a_pairs) + tile.slot * (pr.in / 2) * columns * 2;
-  float all[N * kMaxColumns];
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      shrink_pairs_pass<N, 1>(a_pairs, pr.in / 2, columns, block, x_rows, all);
-  });
-  struct Item {
-    int64_t part, first, last;
-  };
-  std::vector<Item> items;
-  for (int64_t p = 0; p < pr.num_parts; ++p) {
-    if (pr.ranks[tile.slot * pr.num_parts + p] == 0) continue;
-    for (int64_t j = 0; j < pr.widths[p]; j += kSplitColumns)
-      items.push_back({p, j, std::min(pr.widths[p], j + kSplitColumns)});
-  }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& item = items[i];
-      const int64_t p = item.part;
-      uint16_t* y_rows[N];
-      for (int t = 0; t < N; ++t) y_rows[t] = y_base[t] + pr.offsets[p];
-      const uint16_t* b = static_cast<const uint16_t*>(pr.b[p]) + tile.slot * pr.b_slot_stride[p];
-      expand_bf16<N>(b, pr.ranks[tile.slot * pr.num_parts + p], pr.widths[p], all + p * pr.max_rank, pr.max_rank,
-                     y_rows, columns, item.first, item.last);
-    }
-  });
-}
-#endif
-
 template <typename T>
 void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int32_t* slots, int64_t num_slots) {
   using S = typename Elem<T>::storage;
@@ -400,25 +352,6 @@ void lora_rows(const at::Tensor& x, at::Tensor& y, const Problem& pr, const int3
                        order.data() + i});
   const S* xs = reinterpret_cast<const S*>(x.data_ptr());
   S* ys = reinterpret_cast<S*>(y.data_ptr());
-#ifdef STRUCTGEN_LORA_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (pr.a_pairs != nullptr && static_cast<int64_t>(tiles.size()) < at::get_num_threads()) {
-      for (const Tile& tile : tiles) {
-        switch (tile.count) {
-          case 1: split_tile<1>(pr, tile, xs, ys); break;
-          case 2: split_tile<2>(pr, tile, xs, ys); break;
-          case 3: split_tile<3>(pr, tile, xs, ys); break;
-          case 4: split_tile<4>(pr, tile, xs, ys); break;
-          case 5: split_tile<5>(pr, tile, xs, ys); break;
-          case 6: split_tile<6>(pr, tile, xs, ys); break;
-          case 7: split_tile<7>(pr, tile, xs, ys); break;
-          default: split_tile<kTile>(pr, tile, xs, ys); break;
-        }
-      }
-      return;
-    }
-  }
-#endif
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     // Scratch, not zeroed: every value is written before it is read. The float copies of x rows are only for
     // the paths that shrink from them (not the BF16 path).

@@ -94,24 +94,3 @@ def test_shrink_by_input_pairs_matches_reference(tokens: int, widths: list[int])
     cpu_lora.lora_add_reference(x, expected, a, b, offsets, slots, ranks)
     cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, a_pairs=cpu_lora.by_input_pairs(a))
     torch.testing.assert_close(y.float(), expected.float(), rtol=8e-3, atol=8e-3)
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_a_lone_tile_split_over_threads_matches_reference(tokens: int) -> None:
-    """Fewer tiles than threads (a single stream): the tile's shrink and expand are spread over the threads."""
-    widths = [96, 32, 32]
-    x, y, a, b, ranks, _ = problem(
-        tokens=tokens, in_features=64, widths=widths, slots=2, max_rank=8, dtype=torch.bfloat16, seed=9
-    )
-    slots = torch.ones(tokens, dtype=torch.int32)  # one slot: one tile
-    offsets = [0, 96, 128]
-    b = [cpu_lora.blocked(t) for t in b]
-    expected = y.clone()
-    cpu_lora.lora_add_reference(x, expected, a, b, offsets, slots, ranks)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        cpu_lora.lora_add(x, y, a, b, offsets, slots, ranks, a_pairs=cpu_lora.by_input_pairs(a))
-    finally:
-        torch.set_num_threads(previous)
-    torch.testing.assert_close(y.float(), expected.float(), rtol=8e-3, atol=8e-3)
