@@ -37,7 +37,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         seen.append(config)
         raise Built
 
-    def from_config(config: EngineConfig) -> FakeEngine:
+    def from_config(config: EngineConfig, **_: Any) -> FakeEngine:
         seen.append(config)
         return FakeEngine()
 
