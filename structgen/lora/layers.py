@@ -1,12 +1,13 @@
-"""The batched LoRA product: every projection adds the adapters of a step's rows in one pass, no weights merged.
+"""The batched LoRA product: every projection adds the adapters of a step's rows itself, no weights merged.
 
 Each adapted projection keeps `max_loras` slots of zero-padded weights (`a`: [slots, parts, rank, in], and per
 part `b`: [slots, rank, out]; the scaling is already in `b`). A step that carries adapter rows sets `LoRAStep`:
-the contiguous slot range its rows use and a one-hot mask of each token's slot there (base-model tokens: all
-zeros). The product is then two dense matmuls over that range whatever the mix of adapters: the shrink
-`x @ a[lo:hi]^T` ([tokens, slots x parts x rank]), the mask zeroing every slot but the token's own, and per part
-the expand into that part's output columns. A step without adapter rows pays one attribute check per projection;
-at SmolLM2's sizes 4 slots of rank 16 add ~18% of a step's products where every slot is in use (BENCHMARKS.md).
+the slot of each of its tokens (-1 for the base model's). On the CPU the native kernel (`kernels/cpu_lora.py`)
+then adds each token's own adapter after the projection's kernel, reading only that slot's weights and ranks
+(from its own layouts of A and B, `ka` and `kb`); elsewhere (the GPU, no compiler) a dense product over the
+step's slot range does it in torch: the shrink `x @ a[lo:hi]^T`, a mask zeroing every slot but the token's own,
+and per part the expand into that part's output columns. A step without adapter rows pays one bit test per
+projection. Costs on SmolLM2 and 2 CPU cores: BENCHMARKS.md "LoRA adapters".
 """
 
 from __future__ import annotations
