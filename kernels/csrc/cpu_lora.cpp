@@ -3,7 +3,8 @@
 // slot s of token t, nothing for tokens of the base model (slot -1). Each token reads only its own adapter's
 // weights, and only the first `ranks[s, p]` rank rows of them (the slots are zero-padded to the widest rank), so
 // a step's cost is its tokens' own ranks, not the slots' count times the widest rank as a dense product over all
-// slots would be. Accumulates in float; y is rounded once. The reference is `structgen.lora.layers` (torch).
+// slots would be. Accumulates in float, the shrunk values rounded to the model's dtype before the expand (as a
+// bf16 model's own product rounds them); y is rounded once. Launcher and reference: `kernels/cpu_lora.py`.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
