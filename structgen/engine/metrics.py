@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from structgen.engine.llm_engine import LLMEngine
@@ -99,6 +100,14 @@ class EngineStats:
     # Speculative decoding: proposed tokens the target model verified, and those it accepted.
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # LoRA (None: off): the adapters of running and of waiting requests (names, sorted), the slots, how many
+    # adapters are registered, and how often one was put into a slot / pushed out of one.
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int | None = None
+    num_loras_registered: int = 0
+    num_lora_slot_loads: int = 0
+    num_lora_evictions: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -115,6 +124,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     """The engine's gauges and counters now (`LLMEngine.stats`)."""
     bm, sched, c = engine.block_manager, engine.scheduler, engine.counters
     spec = engine.speculator.counters if engine.speculator is not None else None
+    lora = engine.lora
     num_grammar = sched.num_waiting_for_grammar
     return EngineStats(
         num_running=len(sched.running),
@@ -138,7 +148,17 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_grammar_errors=engine.output_processor.num_grammar_errors,
         num_spec_proposed_tokens=spec.num_proposed if spec is not None else 0,
         num_spec_accepted_tokens=spec.num_accepted if spec is not None else 0,
+        lora_running=_adapter_names(sched.running),
+        lora_waiting=_adapter_names(sched.waiting),
+        max_loras=lora.config.max_loras if lora is not None else None,
+        num_loras_registered=len(lora.registered()) if lora is not None else 0,
+        num_lora_slot_loads=lora.num_slot_loads if lora is not None else 0,
+        num_lora_evictions=lora.num_evictions if lora is not None else 0,
     )
+
+
+def _adapter_names(seqs: Iterable[Any]) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
 
 
 def note_scheduled(batch: SchedulerOutput, requests: dict[str, Request], counters: EngineCounters) -> None:

@@ -192,5 +192,23 @@ class _EngineCollector(Collector):
             "grammar_cache_misses": ("Grammar compile cache misses", cache.misses if cache else 0),
             "grammar_compile_failures": ("Grammar compiles that failed", cache.failures if cache else 0),
         }
+        if s.max_loras is not None:
+            counters |= {
+                "lora_slot_loads": ("LoRA adapters put into a slot of the model", s.num_lora_slot_loads),
+                "lora_evictions": ("LoRA adapters pushed out of a slot for another", s.num_lora_evictions),
+            }
+            yield GaugeMetricFamily(
+                "structgen_lora_adapters_registered",
+                "LoRA adapters loaded (servable)",
+                value=s.num_loras_registered,
+            )
+            # vLLM's `lora_requests_info`: the adapters of running and waiting requests as labels.
+            info = GaugeMetricFamily(
+                "structgen_lora_requests_info",
+                "LoRA adapters of running and waiting requests (labels), and the slots",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            info.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], 1)
+            yield info
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"structgen_{name}", doc, value=value)

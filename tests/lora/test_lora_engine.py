@@ -190,3 +190,16 @@ def test_tensor_parallel_is_refused_with_lora() -> None:
         EngineConfig(model="tiny", tensor_parallel_size=2, lora=LoRAConfig())
     with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(4\\)"):
         LoRAConfig(max_loras=4, max_cpu_loras=2)
+
+
+def test_stats_name_the_adapters_of_running_and_waiting_requests(tiny_model: Any, adapters: Adapters) -> None:
+    engine = make_lora_engine(tiny_model, max_loras=1)
+    engine.add_request("qv8-0", PROMPTS[0], GREEDY, lora_request=adapters.request("qv8"))
+    engine.add_request("mlp16-0", PROMPTS[0], GREEDY, lora_request=adapters.request("mlp16"))
+    engine.step()  # one slot: qv8 runs, mlp16 waits for it
+    stats = engine.stats()
+    assert (stats.lora_running, stats.lora_waiting) == (("qv8",), ("mlp16",))
+    assert (stats.max_loras, stats.num_loras_registered, stats.num_lora_slot_loads) == (1, 2, 1)
+    run(engine, {})
+    stats = engine.stats()
+    assert stats.lora_running == stats.lora_waiting == () and stats.num_lora_evictions == 1

@@ -126,6 +126,20 @@ def test_completion_and_chat_by_adapter_name_match_the_offline_engine(
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reference
 
 
+def test_metrics_show_the_adapters(app: Any) -> None:
+    body = {"model": "sql", "prompt": PROMPT, **GREEDY}
+    assert call(app, "POST", "/v1/completions", json=body).status_code == 200
+    text = call(app, "GET", "/metrics").text
+    assert (
+        'structgen_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.0'
+        in text
+    )
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines["structgen_lora_adapters_registered"]) >= 1
+    assert float(lines["structgen_lora_slot_loads_total"]) >= 1
+    assert "structgen_lora_evictions_total" in lines
+
+
 def test_responses_by_adapter_name(app: Any, lora_engine: AsyncEngine, offline: Any) -> None:
     body = {"model": "sql", "input": USER[0]["content"], "max_output_tokens": 6, "temperature": 0}
     response = call(app, "POST", "/v1/responses", json=body | {"ignore_eos": True})
