@@ -15,24 +15,26 @@ RANKS = {0: [4, 0, 2], 1: [0, 0, 0], 2: [3, 3, 3]}  # slot -> rank per part (slo
 
 
 def build(
-    native: bool, step: LoRAStep
+    native: bool, step: LoRAStep, *, dtype: torch.dtype = torch.float32
 ) -> tuple[LoRALinear, dict[int, list[LoRAModule | None]], torch.Tensor]:
+    """A fused-qkv-like projection with three slots loaded (`RANKS`); bf16 runs on oneDNN's packed product, as
+    the CPU's bf16 layers do."""
+    from structgen.models.cpu_linear import PackedBf16Linear
+
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(40, 32, generator=g)
+    weight = torch.randn(40, 32, generator=g).to(dtype)
+    base = PackedBf16Linear.from_weight(weight) if dtype == torch.bfloat16 else (lambda x: x @ weight.t())
     layer = LoRALinear.build(
-        lambda x: x @ weight.t(),
-        step,
-        PARTS,
-        num_slots=3,
-        max_rank=4,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        native=native,
+        base, step, PARTS, num_slots=3, max_rank=4, dtype=dtype, device=torch.device("cpu"), native=native
     )
     modules: dict[int, list[LoRAModule | None]] = {}
     for slot, ranks in RANKS.items():
         modules[slot] = [
-            LoRAModule(a=torch.randn(r, 32, generator=g), b=torch.randn(out, r, generator=g)) if r else None
+            LoRAModule(
+                a=torch.randn(r, 32, generator=g).to(dtype), b=torch.randn(out, r, generator=g).to(dtype)
+            )
+            if r
+            else None
             for r, (_, out) in zip(ranks, PARTS, strict=True)
         ]
         layer.load(slot, modules[slot])
@@ -80,36 +82,12 @@ def test_reloading_a_slot_replaces_it() -> None:
 @pytest.mark.skipif(not cpu_lora.available(), reason="native CPU kernels unavailable")
 def test_bf16_kernel_gives_each_token_its_own_adapter() -> None:
     """On bf16 (the CPU's default) the kernel's shrink runs from A by input pairs (AVX512-BF16 where present)."""
-    from structgen.models.cpu_linear import PackedBf16Linear
-
     step = LoRAStep()
-    g = torch.Generator().manual_seed(3)
-    weight = torch.randn(40, 32, generator=g).bfloat16()
-    layer = LoRALinear.build(
-        PackedBf16Linear.from_weight(weight),
-        step,
-        PARTS,
-        num_slots=3,
-        max_rank=4,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-        native=True,
-    )
-    modules: dict[int, list[LoRAModule | None]] = {}
-    for slot, ranks in RANKS.items():
-        modules[slot] = [
-            LoRAModule(
-                a=torch.randn(r, 32, generator=g).bfloat16(), b=torch.randn(out, r, generator=g).bfloat16()
-            )
-            if r
-            else None
-            for r, (_, out) in zip(ranks, PARTS, strict=True)
-        ]
-        layer.load(slot, modules[slot])
+    layer, modules, weight = build(True, step, dtype=torch.bfloat16)
     assert layer.ka.numel()  # the by-pairs copy of A is kept for the kernel
     tokens = 27
     slots = [(t % 4) - 1 for t in range(tokens)]
-    x = torch.randn(tokens, 32, generator=g).bfloat16()
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
     step.set(slots, device=torch.device("cpu"))
     got = layer(x).float()
     fp32 = {s: [m and LoRAModule(m.a.float(), m.b.float()) for m in ms] for s, ms in modules.items()}
