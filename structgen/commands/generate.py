@@ -133,9 +133,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     try:
         engine.add_request("generate", prompt, params, stream=args.stream, lora_request=lora_request)
-    except (
-        ValueError
-    ) as exc:  # the prompt does not fit the context, an adapter it cannot serve (LoRAError)...
+    # The prompt does not fit the context, an adapter it cannot serve (LoRAError)...
+    except ValueError as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
     completion = None

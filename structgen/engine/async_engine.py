@@ -409,4 +409,6 @@ def _register_adapters(engine: LLMEngine, requests: Sequence[LoRARequest]) -> No
         try:
             engine.lora.add(request)
         except LoRAError as error:
-            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {error}", status=error.status) from None
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r}: {error}", status=error.status, code=error.code
+            ) from None

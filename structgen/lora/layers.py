@@ -12,6 +12,7 @@ projection. Costs on SmolLM2 and 2 CPU cores: BENCHMARKS.md "LoRA adapters".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -223,7 +224,7 @@ def attach_lora_layers(
             kernel = module.kernel
             if isinstance(kernel, LoRALinear):
                 kernel = kernel.base
-            base = kernel if kernel is not None else _dense(module.weight)
+            base = kernel if kernel is not None else functools.partial(F.linear, weight=module.weight)
             wrapper = LoRALinear.build(
                 base,
                 step,
@@ -249,10 +250,3 @@ def _kernel_loads() -> bool:
     from structgen.kernels import cpu_lora
 
     return cpu_lora.available()
-
-
-def _dense(weight: torch.Tensor) -> Linear:
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
-
-    return linear

@@ -90,7 +90,10 @@ class LoRAManager:
             return existing
         limit = self.config.max_cpu_loras
         if limit is not None and len(self._served) >= limit:
-            raise LoRAError(f"{limit} LoRA adapters are loaded already (max_cpu_loras); unload one first")
+            raise LoRAError(
+                f"{limit} LoRA adapters are loaded already (max_cpu_loras); unload one first",
+                code="too_many_loras",
+            )
         served = ServedLoRA(
             request=request,
             adapter=adapter,
@@ -115,7 +118,8 @@ class LoRAManager:
             return existing
         raise LoRAError(
             f"a LoRA adapter named {request.lora_name!r} is already loaded (from {existing.adapter.path}); "
-            "unload it first"
+            "unload it first or choose another name",
+            code="lora_name_taken",
         )
 
     def resolve(self, request: LoRARequest) -> ServedLoRA:
@@ -138,10 +142,6 @@ class LoRAManager:
 
     def registered(self) -> list[ServedLoRA]:
         return list(self._served.values())
-
-    @property
-    def num_resident(self) -> int:
-        return sum(1 for s in self._slots if s is not None)
 
     # -- the step ----------------------------------------------------------------------------------------------
 

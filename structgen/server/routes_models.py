@@ -9,8 +9,6 @@ has, 400 for everything else (LoRA off, a blank field, an adapter the model cann
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
@@ -78,23 +76,8 @@ def add_model_routes(router: APIRouter, ctx: ServerContext) -> None:
                 param="lora_name",
                 code="lora_name_taken",
             )
+        # A name taken by another directory, or one adapter too many: the manager refuses it (LoRAError's code).
         existing = engine.get_lora(name)
-        if existing is not None and not _same_path(existing.adapter.path, path):
-            raise APIError(
-                400,
-                f"a LoRA adapter named {name!r} is already loaded (from {existing.adapter.path}); unload it "
-                "first or choose another lora_name",
-                param="lora_name",
-                code="lora_name_taken",
-            )
-        limit = engine.engine.lora.config.max_cpu_loras  # type: ignore[union-attr]  # enabled: checked above
-        if existing is None and limit is not None and len(engine.list_loras()) >= limit:
-            raise APIError(
-                400,
-                f"{limit} LoRA adapters are loaded already (--max-cpu-loras): unload one first",
-                param="lora_name",
-                code="too_many_loras",
-            )
         # vLLM's clients give no id; one no other adapter has keeps `lora_int_id` meaningful to those that read it.
         next_id = max((s.request.lora_int_id for s in engine.list_loras()), default=0) + 1
         request = LoRARequest(name, existing.request.lora_int_id if existing else next_id, path)
@@ -138,12 +121,4 @@ def _check_enabled(ctx: ServerContext) -> None:
 
 
 def _lora_error(error: LoRAError, *, param: str) -> APIError:
-    code = "lora_not_found" if error.status == 404 else "invalid_lora_adapter"
-    return APIError(error.status, str(error), param=param, code=code)
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except OSError:
-        return a == b
+    return APIError(error.status, str(error), param=param, code=error.code)
