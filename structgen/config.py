@@ -44,6 +44,7 @@ class CacheConfig:
 # The most tokens one step may propose for a sequence: with the token it verifies after, at most 16 new tokens on
 # a cached context, which the CPU attention runs as decode rows.
 MAX_SPECULATIVE_TOKENS = 15
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,9 +53,12 @@ class SpeculativeConfig:
 
     `ngram`: prompt lookup, proposing up to `num_speculative_tokens` tokens: what follows the output's recent
     text in the prompt's text (`structgen.engine.text_lookup`), else what followed the longest suffix n-gram
-    (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence (`structgen.engine.ngram`). The
-    target model verifies every proposal: greedy outputs are those without speculation, sampled ones keep their
-    distribution (`structgen.engine.speculative`).
+    (`prompt_lookup_min`..`prompt_lookup_max` tokens) seen earlier in the sequence (`structgen.engine.ngram`).
+    `draft_model`: a smaller checkpoint `model` (a name or path, as the engine's own model; `quantization` as
+    the engine's) with the target's vocabulary proposes them, greedily under the request's grammar, with its own
+    paged KV cache (`structgen.engine.draft_model`); `{"model": PATH}` alone means this method, as in vLLM.
+    The target model verifies every proposal: greedy outputs are those without speculation, sampled ones keep
+    their distribution (`structgen.engine.speculative`).
     Speculation stays off in a step with more than `max_batch_size` sequences decoding, where the extra rows
     would cost the batch more than the saved steps give back (on 2 CPU cores: see BENCHMARKS.md).
     """
@@ -64,13 +68,22 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     max_batch_size: int = 1
+    model: str | None = None  # draft_model: the draft checkpoint
+    quantization: str = "auto"  # draft_model: the draft's weights (auto, int4, none), as EngineConfig's
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative method {self.method!r} is not supported; supported: ngram (draft_model is not "
-                "built yet)"
+                f"speculative method {self.method!r} is not supported; supported: {', '.join(SPECULATIVE_METHODS)}"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(
+                'speculative method "draft_model" needs "model": the draft checkpoint (name or path)'
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'"model" is the draft_model method\'s draft; method {self.method!r} takes none')
+        if self.quantization not in ("auto", "int4", "none"):
+            raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
@@ -101,6 +114,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "model" in value and "method" not in value:  # vLLM: a draft model given alone is the method
+            value = {**value, "method": "draft_model"}
         return cls(**value)  # type: ignore[arg-type]
 
 

@@ -1,22 +1,24 @@
-"""`structgen bench speculative`: n-gram speculative decoding on structured extraction, off vs on (issue 20).
+"""`structgen bench speculative`: speculative decoding on structured extraction, off vs n-gram (vs a draft model).
 
-One loaded model, two engines sharing it: one without speculation, one with `--speculative-config` (n-gram
-prompt lookup). Two workloads, under each request's JSON schema, greedy, `--max-tokens`: the extraction set of
-`bench completion` (meetings, contacts, orders: short values copied from the prompt) and support tickets
-(`ticket_workload.py`: order numbers, addresses, product names and sentences copied whole). Loads, each run on
-both engines in alternating order (off, on, then on, off, ...): single stream (the requests one after
-another), `--concurrency` in flight, and 32 in flight (where speculation must switch itself off, or at least
-never slow the batch). Reported per load: output tokens/s both sides, the speed-up, the acceptance rate
-(accepted / proposed), and whether every output is token for token the same.
+One loaded model, an engine per side sharing it: one without speculation, one with `--speculative-config` (n-gram
+prompt lookup), and with `--draft MODEL` or `--draft-layers N` (the target's first N layers, written to a
+temporary checkpoint: `structgen.models.truncate`) one more with a draft model. Two workloads, under each
+request's JSON schema, greedy, `--max-tokens`: the extraction set of `bench completion` (meetings, contacts,
+orders: short values copied from the prompt) and support tickets (`ticket_workload.py`: order numbers,
+addresses, product names and sentences copied whole). Loads, each run on every side in rotating order: single
+stream (the requests one after another), `--concurrency` in flight, and 32 in flight (where speculation must
+switch itself off, or at least never slow the batch). Reported per load and side: output tokens/s, the speed-up
+over "off", the acceptance rate (accepted / proposed), and whether every output is token for token the same.
 
     structgen bench speculative [--model smollm2-135m] [--requests 12] [--max-tokens 128] [-k 5]
-        [--concurrency 8] [--passes 2] [--json OUT]
+        [--concurrency 8] [--passes 2] [--draft MODEL | --draft-layers N] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +27,6 @@ from typing import Any
 
 from structgen.bench.extraction_workload import extraction_requests
 from structgen.bench.ticket_workload import ticket_requests
-
-SIDES = ("off", "ngram")
 
 
 @dataclass(slots=True)
@@ -41,21 +41,26 @@ class Side:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def make_engines(model: str, spec: dict[str, Any], *, max_num_seqs: int) -> tuple[Any, Any]:
+def make_engines(model: str, specs: dict[str, dict[str, Any] | None], *, max_num_seqs: int) -> dict[str, Any]:
+    """{side: engine}, all on the first side's loaded model."""
     from structgen.config import CacheConfig, EngineConfig, SchedulerConfig
     from structgen.engine.llm_engine import LLMEngine
 
-    def config(speculative: dict[str, Any] | None) -> EngineConfig:
-        return EngineConfig(
+    engines: dict[str, Any] = {}
+    for side, speculative in specs.items():
+        config = EngineConfig(
             model=model,
             cache=CacheConfig(kv_cache_tokens=32768),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
             speculative_config=speculative,
         )
-
-    off = LLMEngine(config(None))
-    on = LLMEngine(config(spec), model=off.model, tokenizer=off.tokenizer, model_dir=off.model_dir)
-    return off, on
+        first = next(iter(engines.values()), None)
+        if first is None:
+            engines[side] = LLMEngine(config)
+        else:
+            shared = {"model": first.model, "tokenizer": first.tokenizer, "model_dir": first.model_dir}
+            engines[side] = LLMEngine(config, **shared)
+    return engines
 
 
 def run_load(
@@ -96,16 +101,16 @@ def run_load(
         side.accepted += counters.num_accepted - before[1]
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_max": args.lookup_max,
-        "max_batch_size": args.max_batch_size,
+def measure(args: argparse.Namespace, *, draft: str | None = None) -> dict[str, Any]:
+    common = {"num_speculative_tokens": args.k, "max_batch_size": args.max_batch_size}
+    specs: dict[str, dict[str, Any] | None] = {
+        "off": None,
+        "ngram": {"method": "ngram", "prompt_lookup_max": args.lookup_max, **common},
     }
-    engines = dict(
-        zip(SIDES, make_engines(args.model, spec, max_num_seqs=max(32, args.concurrency)), strict=True)
-    )
+    if draft is not None:
+        specs["draft"] = {"method": "draft_model", "model": draft, **common}
+    engines = make_engines(args.model, specs, max_num_seqs=max(32, args.concurrency))
+    sides = list(engines)
     requests = extraction_requests(args.requests, seed=7)
     tickets = ticket_requests(args.requests, seed=7)
     wide = (requests * (-(-args.wide_requests // len(requests))))[: args.wide_requests]
@@ -123,33 +128,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for warm in (requests[:3], tickets[:1]):
                 run_load(engine, warm, Side(), concurrency=3, max_tokens=args.max_tokens, tag="warm")
         for load, (batch, concurrency) in loads.items():
-            sides = {side: Side() for side in SIDES}
+            measured = {side: Side() for side in sides}
             for p in range(args.passes):
-                order = SIDES if p % 2 == 0 else SIDES[::-1]
-                for side in order:
+                for side in sides[p % len(sides) :] + sides[: p % len(sides)]:  # each side first in turn
                     run_load(
                         engines[side],
                         batch,
-                        sides[side],
+                        measured[side],
                         concurrency=concurrency,
                         max_tokens=args.max_tokens,
                         tag=f"{load.replace(' ', '_')}{p}",
                     )
-            off, on = sides["off"], sides["ngram"]
-            same = sum(off.outputs[key] == on.outputs.get(key) for key in off.outputs)
-            results[load] = {
-                "off_tok_s": round(off.rate(), 1),
-                "ngram_tok_s": round(on.rate(), 1),
-                "speedup": round(on.rate() / off.rate(), 3) if off.rate() else 0.0,
-                "acceptance": round(on.accepted / on.proposed, 3) if on.proposed else 0.0,
-                "proposed": on.proposed,
-                "accepted": on.accepted,
-                "identical": f"{same}/{len(off.outputs)}",
-            }
+            off = measured["off"]
+            row: dict[str, Any] = {"off_tok_s": round(off.rate(), 1)}
+            for side in sides[1:]:
+                on = measured[side]
+                same = sum(off.outputs[key] == on.outputs.get(key) for key in off.outputs)
+                row[side] = {
+                    "tok_s": round(on.rate(), 1),
+                    "speedup": round(on.rate() / off.rate(), 3) if off.rate() else 0.0,
+                    "acceptance": round(on.accepted / on.proposed, 3) if on.proposed else 0.0,
+                    "proposed": on.proposed,
+                    "accepted": on.accepted,
+                    "identical": f"{same}/{len(off.outputs)}",
+                }
+            results[load] = row
     finally:
         for engine in engines.values():
             engine.shutdown()
-    return {"model": args.model, "k": args.k, "max_tokens": args.max_tokens, "loads": results}
+    return {"model": args.model, "k": args.k, "max_tokens": args.max_tokens, "draft": draft, "loads": results}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,22 +172,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--wide-requests", type=int, default=64, help="requests of the 32-in-flight load")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--draft", default=None, help="also a draft-model side with this draft (a name or path)")
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="also a draft-model side whose draft is the target's first N layers (a temporary checkpoint)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.draft is not None and args.draft_layers is not None:
+        ap.error("--draft and --draft-layers are alternatives")
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    result = measure(args)
+    with tempfile.TemporaryDirectory(prefix="structgen-draft-") as scratch:
+        draft = args.draft
+        if args.draft_layers is not None:
+            from structgen.models.registry import resolve_model
+            from structgen.models.truncate import write_truncated_checkpoint
+
+            try:
+                draft = str(
+                    write_truncated_checkpoint(
+                        resolve_model(args.model), scratch, num_layers=args.draft_layers
+                    )
+                )
+            except ValueError as error:
+                ap.error(str(error))
+        result = measure(args, draft=draft)
     print(
-        f"{'load':26} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept':>7} {'identical':>10}"
+        f"{'load':26} {'off tok/s':>10}   "
+        + "   ".join(f"{s + ' tok/s':>12} {'speed-up':>9} {'accept':>7} {'same':>6}" for s in _sides(result))
     )
     for load, r in result["loads"].items():
-        print(
-            f"{load:26} {r['off_tok_s']:10} {r['ngram_tok_s']:12} {r['speedup']:9} {r['acceptance']:7} "
-            f"{r['identical']:>10}"
-        )
+        cells = [
+            f"{r[s]['tok_s']:12} {r[s]['speedup']:9} {r[s]['acceptance']:7} {r[s]['identical']:>6}"
+            for s in _sides(result)
+        ]
+        print(f"{load:26} {r['off_tok_s']:10}   " + "   ".join(cells))
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _sides(result: dict[str, Any]) -> list[str]:
+    first = next(iter(result["loads"].values()), {})
+    return [side for side in first if side != "off_tok_s"]

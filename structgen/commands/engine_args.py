@@ -83,7 +83,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 4}\' (greedy outputs unchanged, sampled ones keep their distribution; default: off)',
+        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
+        "(greedy outputs unchanged, sampled ones keep their distribution; default: off)",
     )
     add_lora_flags(parser)
     parser.add_argument(

@@ -100,6 +100,7 @@ class EngineStats:
     # Speculative decoding: proposed tokens the target model verified, and those it accepted.
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    spec_method: str | None = None  # the speculative method ("ngram", "draft_model"); None: off
     # LoRA (None: off): the adapters of running and of waiting requests (names, sorted), the slots, how many
     # adapters are registered, and how often one was put into a slot / pushed out of one.
     lora_running: tuple[str, ...] = ()
@@ -148,6 +149,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_grammar_errors=engine.output_processor.num_grammar_errors,
         num_spec_proposed_tokens=spec.num_proposed if spec is not None else 0,
         num_spec_accepted_tokens=spec.num_accepted if spec is not None else 0,
+        spec_method=engine.speculator.config.method if engine.speculator is not None else None,
         lora_running=_adapter_names(sched.running),
         lora_waiting=_adapter_names(sched.waiting),
         max_loras=lora.config.max_loras if lora is not None else None,

@@ -38,12 +38,31 @@ def load_engine_model(
         on_workers(tp_group)
     model = load_model(model_dir, dtype=config.dtype, device=device, tp_size=tp_size)
     if tp_size == 1:
-        from structgen.models.cpu_linear import attach_int4
-        from structgen.models.llama_flat import enable_flat_forward
-        from structgen.models.registry import gguf_source
-
-        attach_int4(model, quantization=config.quantization, gguf_path=gguf_source(config.model))
-        enable_flat_forward(model)  # after the kernels: it binds them
+        _attach_cpu_kernels(model, config.model, quantization=config.quantization)
     if tp_group is not None:
         tp_group.wait_ready()
     return model, Tokenizer.from_dir(model_dir), model_dir
+
+
+def load_draft_model(
+    name_or_path: str, *, dtype: str | torch.dtype, device: torch.device, quantization: str
+) -> tuple[nn.Module, Tokenizer, Path]:
+    """(model, tokenizer, checkpoint dir) of a speculative draft model: one rank, the CPU kernels as the
+    engine's own model gets them."""
+    from structgen.models.loader import load_model
+    from structgen.models.registry import resolve_model
+    from structgen.tokenizer import Tokenizer
+
+    model_dir = resolve_model(name_or_path)
+    model = load_model(model_dir, dtype=dtype, device=device, tp_size=1)
+    _attach_cpu_kernels(model, name_or_path, quantization=quantization)
+    return model, Tokenizer.from_dir(model_dir), model_dir
+
+
+def _attach_cpu_kernels(model: nn.Module, name_or_path: str | None, *, quantization: str) -> None:
+    from structgen.models.cpu_linear import attach_int4
+    from structgen.models.llama_flat import enable_flat_forward
+    from structgen.models.registry import gguf_source
+
+    attach_int4(model, quantization=quantization, gguf_path=gguf_source(name_or_path))
+    enable_flat_forward(model)  # after the kernels: it binds them

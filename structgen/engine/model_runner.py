@@ -194,7 +194,7 @@ class ModelRunner:
         token, and `spec_logits[row]` holds the logits after each proposal (`structgen.engine.speculative`)."""
         if batch.blocks_to_copy:
             self._copy_blocks(batch.blocks_to_copy)
-        input_ids, positions, metadata = self._prepare(batch)
+        input_ids, positions, metadata = self._prepare(batch.seqs, batch.num_new_tokens)
         rows = sorted(set(batch.sample_indices))
         ends = list(accumulate(metadata.query_lens_cpu))
         spec = spec or {}
@@ -272,9 +272,21 @@ class ModelRunner:
             return graphs.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    @torch.inference_mode()
+    def last_token_logits(self, seqs: list[Any], num_new_tokens: list[int]) -> torch.Tensor:
+        """Run `num_new_tokens[i]` new tokens of each sequence (anything with `token_ids`, `num_computed_tokens`
+        and a `block_table` of this runner's cache) and return the logits after each one's last [len(seqs), vocab]:
+        the draft model's forward (`structgen.engine.draft_model`), which samples nothing itself."""
+        input_ids, positions, metadata = self._prepare(seqs, num_new_tokens)
+        hidden = self._forward(input_ids, positions, metadata)
+        ends = list(accumulate(num_new_tokens))
+        index = torch.tensor([end - 1 for end in ends], dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))  # type: ignore[operator]
+
+    def _prepare(
+        self, seqs: list[Any], query_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        seqs, query_lens = batch.seqs, batch.num_new_tokens
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

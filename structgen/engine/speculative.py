@@ -29,28 +29,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from structgen.engine.ngram import ngram_candidates
+from structgen.engine.ngram import NgramProposer
 from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import SamplingRow
 from structgen.engine.sequence import Sequence, SequenceStatus
-from structgen.engine.text_lookup import TextLookup
 from structgen.engine.token_mask import TokenMask
-from structgen.structured.json_scan import STRING
+from structgen.structured.bitmask import unpack_bitmask
 
 if TYPE_CHECKING:
     from structgen.config import SpeculativeConfig
     from structgen.engine.block_manager import BlockManager
+    from structgen.engine.draft_model import DraftModelProposer
     from structgen.engine.llm_engine import LLMEngine
     from structgen.engine.output_processor import OutputProcessor
     from structgen.engine.scheduler import SchedulerOutput
     from structgen.engine.sequence import Request
     from structgen.engine.structured import StructuredOutputs
-
-
-# Continuations tried per sequence and step until one passes its grammar (each costs one `validate_tokens`).
-_MAX_CANDIDATES = 8
-# Output tokens whose text the text lookup matches against the prompt's.
-_TAIL_TOKENS = 12
 
 
 @dataclass(slots=True)
@@ -73,7 +67,7 @@ class Speculator:
             # (late-bound: tests wrap the runner's sampler)
             sample=lambda logits, rows, mask: engine.runner.sampler(logits, rows, mask=mask),
             eos_token_ids=engine.eos_token_ids,
-            tokenizer=engine.tokenizer,
+            proposer=_proposer(engine),
         )
 
     def __init__(
@@ -86,19 +80,18 @@ class Speculator:
         num_valid_tokens: int,
         sample: Callable[[torch.Tensor, list[SamplingRow], TokenMask | None], Any],
         eos_token_ids: frozenset[int] = frozenset(),
-        tokenizer: Any = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
     ) -> None:
         self.config = config
         self.sample = sample  # the engine's sampler: (logits [rows, vocab], rows, mask) -> SamplerOutput
         self._bitmask: torch.Tensor | None = None  # one row, for the grammar's mask at a proposal
+        self._probe_bitmask: torch.Tensor | None = None  # one row, for `_grammar_pick`
         self.eos_token_ids = eos_token_ids
-        self.tokenizer = tokenizer
-        self.text_lookup = (
-            TextLookup.build(lambda text: tokenizer.encode(text, add_special_tokens=False))
-            if tokenizer is not None
-            else None
+        self.proposer = (
+            proposer
+            if proposer is not None
+            else NgramProposer(max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min)
         )
-        self._prompt_texts: dict[int, str] = {}  # seq_id -> its prompt's text, while it runs
         self.structured = structured
         self.output_processor = output_processor
         self.block_manager = block_manager
@@ -111,12 +104,14 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Append proposals to the eligible sequences' token ids (at most `max_batch_size` decoding)."""
-        config = self.config
+        config, proposer = self.config, self.proposer
+        if (
+            proposer.num_held and len(running) <= config.max_batch_size
+        ):  # forget the sequences no longer running
+            proposer.retain({seq.seq_id for seq in running})
         if not running or len(running) > config.max_batch_size:
             return
-        if len(self._prompt_texts) > 4 * config.max_batch_size:  # forget the sequences no longer running
-            live = {seq.seq_id for seq in running}
-            self._prompt_texts = {i: t for i, t in self._prompt_texts.items() if i in live}
+        wanted = []
         for seq in running:
             if not _eligible(seq):
                 continue
@@ -125,20 +120,15 @@ class Speculator:
             # BENCHMARKS.md).
             pending = len(seq.token_ids) - seq.num_computed_tokens
             k = min(config.num_speculative_tokens + 1 - pending, self.output_processor.tokens_left(seq) - 1)
-            if k <= 0:
-                continue
-            tokens = self._from_text(seq, k)
-            if not tokens:
-                candidates = ngram_candidates(
-                    seq.token_ids, k=k, max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min
-                )
-                for _, candidate in zip(range(_MAX_CANDIDATES), candidates, strict=False):
-                    tokens = self._allowed_prefix(seq, candidate)
-                    if tokens:
-                        break
-            if tokens:
-                seq.token_ids.extend(tokens)
-                self._proposals[seq.seq_id] = (seq, tokens)
+            if k > 0:
+                wanted.append((seq, k))
+        if not wanted:
+            return
+        by_id = {seq.seq_id: seq for seq, _ in wanted}
+        for seq_id, tokens in proposer.propose(wanted, self._allowed_prefix, self._grammar_pick).items():
+            seq = by_id[seq_id]
+            seq.token_ids.extend(tokens)
+            self._proposals[seq_id] = (seq, tokens)
 
     def settle(self, batch: SchedulerOutput) -> dict[int, int]:
         """{batch row: proposals} of the sequences scheduled whole; the others' proposals are taken back (a
@@ -227,26 +217,6 @@ class Speculator:
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
-    def _from_text(self, seq: Sequence, k: int) -> list[int]:
-        """The text lookup's proposal (`text_lookup.py`), closed by the string closing its grammar takes."""
-        lookup = self.text_lookup
-        if lookup is None:
-            return []
-        prompt_text = self._prompt_texts.get(seq.seq_id)
-        if prompt_text is None:
-            prompt_text = self._prompt_texts[seq.seq_id] = self.tokenizer.decode(seq.prompt_token_ids)
-        tail = self.tokenizer.decode(seq.output_token_ids[-_TAIL_TOKENS:])
-        in_string = seq.structured is not None and seq.structured.position == STRING
-        tokens, closes = lookup.propose(prompt_text, tail, k=k, in_string=in_string)
-        if not closes:
-            return self._allowed_prefix(seq, tokens)
-        best: list[int] = []
-        for closing in lookup.closings:
-            allowed = self._allowed_prefix(seq, (tokens + list(closing))[:k])
-            if len(allowed) > len(best):
-                best = allowed
-        return best
-
     def _allowed_prefix(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """The proposals up to the first one the sequence may not produce now."""
         reasoning = seq.reasoning
@@ -262,6 +232,26 @@ class Speculator:
         if grammar is not None and tokens:
             tokens = tokens[: grammar.validate_tokens(tokens)]
         return tokens
+
+    def _grammar_pick(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int | None:
+        """The highest of `logits` [vocab] among the tokens the sequence's grammar allows after `tokens`: its
+        mask, from a copy of the grammar (a proposer's fallback when none of its first choices is allowed)."""
+        grammar = _active_grammar(seq)
+        if grammar is None:
+            return None
+        probe = grammar.clone()
+        if (tokens and not probe.accept_tokens(tokens)) or probe.is_terminated():
+            return None
+        manager = self.structured.ensure_manager()
+        if self._probe_bitmask is None:
+            self._probe_bitmask = manager.allocate_bitmask(1)
+        if manager.fill_bitmask([(probe, 0)], self._probe_bitmask):
+            return None
+        allowed = unpack_bitmask(self._probe_bitmask[0], logits.shape[-1])
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        if not allowed[token] or len(self._allowed_prefix(seq, [*tokens, token])) != len(tokens) + 1:
+            return None
+        return token
 
     def _pick(self, seq: Sequence, row: torch.Tensor) -> Any:
         """The sampler's pick from one row of logits, as the step's own row is picked: the reasoning bans, then the
@@ -293,6 +283,26 @@ class Speculator:
 
         check = {0: lambda token: grammar.validate_tokens((token,)) == 1}
         return TokenMask(bitmask=bitmask, rows=[0], unfilled=check, fill=fill)
+
+
+def _proposer(engine: LLMEngine) -> NgramProposer | DraftModelProposer:
+    config: SpeculativeConfig = engine.config.speculative_config  # type: ignore[assignment]
+    if config.method == "draft_model":
+        from structgen.engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer.load(
+            config,
+            target=engine.model,
+            target_dir=engine.model_dir,
+            target_tokenizer=engine.tokenizer,
+            device=engine.device,
+            block_size=engine.config.cache.block_size,
+            max_model_len=engine.max_model_len,
+            num_valid_tokens=engine.runner.num_valid_tokens,
+        )
+    return NgramProposer(
+        max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min, tokenizer=engine.tokenizer
+    )
 
 
 def _eligible(seq: Sequence) -> bool:

@@ -176,15 +176,27 @@ class _EngineCollector(Collector):
                 "Resamples of relaxed outputs that failed validation",
                 s.num_structured_retries,
             ),
-            "spec_decode_num_draft_tokens": (
-                "Speculative tokens proposed (n-gram) and verified by the model",
-                s.num_spec_proposed_tokens,
-            ),
-            "spec_decode_num_accepted_tokens": (
-                "Speculative tokens the model accepted",
-                s.num_spec_accepted_tokens,
-            ),
         }
+        if s.spec_method is not None:  # by method, as a label (one method per server)
+            for name, doc, value in (
+                (
+                    "num_draft_tokens",
+                    "Speculative tokens proposed and verified by the model",
+                    s.num_spec_proposed_tokens,
+                ),
+                ("num_accepted_tokens", "Speculative tokens the model accepted", s.num_spec_accepted_tokens),
+            ):
+                family = CounterMetricFamily(f"structgen_spec_decode_{name}", doc, labels=["method"])
+                family.add_metric([s.spec_method], value)
+                yield family
+            rate = GaugeMetricFamily(
+                "structgen_spec_decode_acceptance_rate",
+                "Accepted / proposed speculative tokens",
+                labels=["method"],
+            )
+            proposed = s.num_spec_proposed_tokens
+            rate.add_metric([s.spec_method], s.num_spec_accepted_tokens / proposed if proposed else 0.0)
+            yield rate
         manager = self.engine.engine.structured.manager
         cache = manager.stats if manager is not None else None
         counters |= {

@@ -15,6 +15,11 @@ def test_the_flag_reaches_the_engine_config() -> None:
     config = engine_config(_build_parser().parse_args(["serve", "--speculative-config", flag]))
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3)
     assert engine_config(_build_parser().parse_args(["serve"])).speculative_config is None
+    draft = '{"model": "tiny", "num_speculative_tokens": 3}'
+    config = engine_config(_build_parser().parse_args(["serve", "--speculative-config", draft]))
+    assert config.speculative_config == SpeculativeConfig(
+        method="draft_model", model="tiny", num_speculative_tokens=3
+    )
 
 
 @pytest.mark.parametrize(
@@ -23,6 +28,7 @@ def test_the_flag_reaches_the_engine_config() -> None:
         ("{nope", "speculative config is not valid JSON"),
         ('{"method": "eagle"}', "speculative method 'eagle' is not supported"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..15"),
+        ('{"method": "draft_model"}', 'needs "model"'),
     ],
 )
 def test_a_bad_config_is_refused_before_loading_anything(

@@ -157,7 +157,7 @@ def test_sampled_outputs_keep_their_distribution(make_engine: EngineFactory) -> 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"method": "draft_model"}, "not supported"),
+        ({"method": "medusa"}, "not supported"),
         ({"num_speculative_tokens": 16}, "num_speculative_tokens must be in 1..15"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"bogus": 1}, "unknown speculative config keys"),
