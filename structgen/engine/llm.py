@@ -53,8 +53,8 @@ class LLM:
         """`reasoning_parser` ("qwen3", "deepseek_r1"): each output's `<think>` reasoning lands in `.reasoning`,
         the answer alone in `.text`, and a structured request's grammar starts after the reasoning;
         `thinking_token_budget`: the reasoning budget of requests whose SamplingParams set none.
-        `speculative_config` (`{"method": "ngram", "num_speculative_tokens": 3}`): speculative decoding of
-        greedy requests (`structgen.engine.speculative`).
+        `speculative_config` (`{"method": "ngram", "num_speculative_tokens": 3}`, or `{"method": "draft_model",
+        "model": PATH}`): speculative decoding (`structgen.engine.speculative`).
         `enable_lora`: requests may name a PEFT LoRA adapter (`lora_request=LoRARequest(name, id, path)`);
         `max_loras` of them run in one batch, each of rank <= `max_lora_rank`; `max_cpu_loras` caps how many
         are held at all (`structgen.config.LoRAConfig`)."""

@@ -1,11 +1,13 @@
 """Faster CPU matmuls for the linear layers, attached after loading (`prepare_cpu_linears`).
 
 On the CPU a bf16 `F.linear` hands oneDNN a plain weight that it reorders into its blocked layout on every call;
-at decode batch sizes that reorder costs as much as the product. Here each bf16 weight is reordered once, at load
-time (`torch.ops.mkldnn._reorder_linear_weight`), and the layer's `kernel` calls oneDNN's linear on the packed
-copy: the same products (bit-identical to `F.linear` in the measurements), about 2x faster for SmolLM2's
-shapes at batch 1-32. fp32 keeps `F.linear` (MKL's sgemm packs nothing per call). Also the place where a CPU's
-native bf16 support is detected, which makes bf16 the CPU's `"auto"` dtype.
+at decode batch sizes that reorder costs as much as the product. Here each bf16 or fp32 weight is reordered once,
+at load time (`torch.ops.mkldnn._reorder_linear_weight`), and the layer's `kernel` calls oneDNN's linear on the
+packed copy: the same products (bit-identical to `F.linear` in the bf16 measurements), about 2x faster for
+SmolLM2's shapes at batch 1-32. fp32 went through MKL's sgemm until an AVX2-only AMD EPYC showed it 2-2.5x
+slower than oneDNN's packed product at 6-32 rows (the rows of a speculative or batched step) and ~1.5x at
+64-512, and no faster at one row (BENCHMARKS.md "Speculative decoding", session 11). Also the place where a
+CPU's native bf16 support is detected, which makes bf16 the CPU's `"auto"` dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 # The batch size oneDNN picks its blocked layout for; measured on SmolLM2's shapes, 32 serves batches 1..100 well.
 PACK_BATCH_HINT = 32
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -41,27 +44,32 @@ def cpu_has_native_bf16() -> bool:
 
 
 @dataclass(slots=True)
-class PackedBf16Linear:
-    """`x @ W^T` through oneDNN with W reordered once; takes and returns bf16 (other dtypes are cast)."""
+class PackedLinear:
+    """`x @ W^T` through oneDNN with W reordered once; takes and returns W's dtype, bf16 or fp32 (other dtypes
+    are cast)."""
 
     packed: torch.Tensor
     out_features: int
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> PackedBf16Linear:
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+    def from_weight(cls, weight: torch.Tensor) -> PackedLinear:
+        if (
+            weight.dtype not in (torch.bfloat16, torch.float32)
+            or weight.dim() != 2
+            or weight.device.type != "cpu"
+        ):
             raise ValueError(
-                f"PackedBf16Linear needs a 2-D bf16 CPU weight, got {weight.dtype} {list(weight.shape)}"
+                f"PackedLinear needs a 2-D bf16 or fp32 CPU weight, got {weight.dtype} {list(weight.shape)}"
             )
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
         return cls(packed=packed, out_features=weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous():
+        if x.dtype == self.packed.dtype and x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous():
             # Every call from the model: straight to the op (the reshapes and casts below cost ~5 us a call).
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, x.shape[-1]).to(self.packed.dtype)
         if x2.shape[0] == 0:
             return x.new_empty((*lead, self.out_features))
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, None, "none", [], "")
@@ -69,15 +77,15 @@ class PackedBf16Linear:
 
 
 def prepare_cpu_linears(model: nn.Module) -> int:
-    """Attach `PackedBf16Linear` kernels to every bf16 CPU linear layer of `model` that has no kernel yet;
+    """Attach `PackedLinear` kernels to every bf16 or fp32 CPU linear layer of `model` that has no kernel yet;
     returns how many. Layers keep their weights (the tied embedding reads the lm_head's)."""
     count = 0
     for _, module in kernel_layers(model):
         weight = module.weight
-        if module.kernel is not None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        if module.kernel is not None or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
             continue
         try:
-            module.kernel = PackedBf16Linear.from_weight(weight)
+            module.kernel = PackedLinear.from_weight(weight)
         except RuntimeError as exc:  # a torch build without oneDNN's bf16 linear: keep F.linear
             logger.warning("bf16 weight packing unavailable (%s): using F.linear", exc)
             return count

@@ -129,7 +129,9 @@ def test_logits_match_transformers_gguf_load(model_dir: Path, reference: Any, pr
     with torch.no_grad():
         expected = reference(torch.tensor([prompt_ids])).logits[0]
     assert logits.shape == expected.shape
-    assert (logits - expected).abs().max().item() < 1e-4
+    # fp32 products by oneDNN's packed GEMM sum in another order than transformers' F.linear: a few ulps per layer
+    # over 30 layers, on logits up to ~30 (ulp ~2e-6), measured up to 1.2e-4 apart.
+    assert (logits - expected).abs().max().item() < 3e-4
 
 
 @pytest.fixture(scope="module")
