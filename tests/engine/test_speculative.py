@@ -19,6 +19,13 @@ from structgen.structured.spec import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "max_batch_size": 4}
 RECORDS = "Record: name Alice Johnson, city Springfield, id 4412. Record: name Bob Stone, city Shelbyville. "
+# Engine settings each speculative method is run under (also test_speculative_draft.py).
+SETTINGS = [
+    {},
+    {"max_num_batched_tokens": 8},  # a step's budget cuts some proposals short (taken back)
+    {"kv_cache_tokens": 128},  # preemption
+    {"enable_prefix_caching": False},
+]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -71,15 +78,7 @@ def test_the_proposer_continues_the_latest_earlier_match() -> None:
     assert propose_ngram([1, 2, 3, 9, 8, 3], k=1, max_n=2, min_n=2) == []
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        {},
-        {"max_num_batched_tokens": 8},  # a step's budget cuts some proposals short (taken back)
-        {"kv_cache_tokens": 128},  # preemption
-        {"enable_prefix_caching": False},
-    ],
-)
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_greedy_outputs_equal_those_without_speculation(
     make_engine: EngineFactory, without: list[list[list[int]]], setting: dict[str, Any]
 ) -> None:

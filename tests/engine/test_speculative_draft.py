@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import EngineFactory, run_all
-from test_speculative import _letters, _run
+from test_speculative import SETTINGS, _letters, _run
 
 from structgen.config import EngineConfig, SpeculativeConfig
 from structgen.engine.draft_model import DraftModelError
@@ -42,15 +42,7 @@ def _draft_returned_everything(engine: LLMEngine) -> None:
     assert draft.num_free_blocks == draft.runner.num_blocks
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        {},
-        {"max_num_batched_tokens": 8},  # a step's budget cuts some proposals short (taken back)
-        {"kv_cache_tokens": 128},  # preemption
-        {"enable_prefix_caching": False},
-    ],
-)
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_the_target_drafting_for_itself_changes_nothing_and_is_accepted(
     make_engine: EngineFactory, without: list[list[list[int]]], setting: dict[str, Any]
 ) -> None:
