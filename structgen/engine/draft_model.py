@@ -22,6 +22,7 @@ import torch
 
 from structgen.engine.block_manager import cdiv
 from structgen.engine.model_runner import ModelRunner
+from structgen.errors import StructgenError
 
 if TYPE_CHECKING:
     from structgen.config import SpeculativeConfig
@@ -40,8 +41,8 @@ GrammarPick = Callable[["Sequence", list[int], torch.Tensor], "int | None"]
 grammar): the fallback when none of the draft's first choices is allowed."""
 
 
-class DraftModelError(ValueError):
-    """The draft model cannot propose for this target (another vocabulary)."""
+class DraftModelError(StructgenError, ValueError):
+    """The draft model cannot propose for this target (another vocabulary); the CLI's one-line error."""
 
 
 @dataclass(slots=True)

@@ -37,3 +37,19 @@ def test_a_bad_config_is_refused_before_loading_anything(
     assert main(["serve", "--model", "tiny", "--speculative-config", flag]) == 2
     err = capsys.readouterr().err
     assert err.startswith("structgen serve: ") and words in err, err
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        ("tiny-thinking", "another vocabulary than the target model"),
+        ("/nonexistent/draft", "unknown model '/nonexistent/draft'"),
+    ],
+)
+def test_a_draft_the_target_cannot_use_is_one_line_and_exit_1(
+    draft: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flag = f'{{"model": "{draft}", "num_speculative_tokens": 3}}'
+    assert main(["serve", "--model", "tiny", "--speculative-config", flag]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("structgen serve: ") and words in err and "Traceback" not in err, err
