@@ -1,8 +1,8 @@
 """Speculative decoding in the step: propose, verify in one forward, keep what the target model agrees with.
 
-Before a step is scheduled, each eligible decoding sequence gets up to `k` proposed tokens (n-gram prompt
-lookup, `ngram.py`), cut at the first token its grammar would reject (`validate_tokens` checks without moving
-the matcher) or its phase bans. The proposals sit at the end of `seq.token_ids` only (never in its output), so
+Before a step is scheduled, each eligible decoding sequence gets up to `k` proposed tokens from the configured
+proposer (n-gram prompt lookup, `ngram.py`, or a draft model, `draft_model.py`), cut at the first token its
+grammar would reject (`validate_tokens` checks without moving the matcher) or its phase bans. The proposals sit at the end of `seq.token_ids` only (never in its output), so
 the scheduler runs `[last, d1 .. dk]` as `k + 1` new tokens of one sequence: one forward gives the logits after
 each of them. `settle` keeps the proposals of sequences scheduled whole and takes back the others (preempted, or
 cut by the step's token budget). After the forward, `take_back` removes them again before the scheduler records
