@@ -22,6 +22,7 @@ import torch
 
 from structgen.engine.block_manager import cdiv
 from structgen.engine.model_runner import ModelRunner
+from structgen.engine.ngram import Allowed
 from structgen.errors import StructgenError
 
 if TYPE_CHECKING:
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 # The draft's ranked tokens tried per proposal until one passes the sequence's grammar.
 CANDIDATES = 4
 
-Allowed = Callable[["Sequence", list[int]], list[int]]
-"""`(sequence, tokens) -> the longest prefix of tokens it may produce now` (the speculator's grammar check)."""
 GrammarPick = Callable[["Sequence", list[int], torch.Tensor], "int | None"]
 """`(sequence, tokens, logits [vocab]) -> the best token its grammar allows after tokens` (None: none, or no
 grammar): the fallback when none of the draft's first choices is allowed."""
@@ -187,7 +186,8 @@ class DraftModelProposer:
         tokens = seq.token_ids
         # Never the whole sequence: the last token goes through the draft for the logits after it.
         kept = _common_prefix(shadow.token_ids, shadow.num_computed_tokens, tokens, limit=len(tokens) - 1)
-        shadow.token_ids = list(tokens)
+        del shadow.token_ids[kept:]  # (the usual case: the rejected proposals' tail) then what is new since
+        shadow.token_ids.extend(tokens[kept:])
         shadow.num_computed_tokens = kept
         needed = cdiv(len(tokens) + k - 1, self.runner.block_size) - len(shadow.block_table)
         if needed > len(self._free):

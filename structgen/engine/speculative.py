@@ -84,8 +84,9 @@ class Speculator:
     ) -> None:
         self.config = config
         self.sample = sample  # the engine's sampler: (logits [rows, vocab], rows, mask) -> SamplerOutput
-        self._bitmask: torch.Tensor | None = None  # one row, for the grammar's mask at a proposal
-        self._probe_bitmask: torch.Tensor | None = None  # one row, for `_grammar_pick`
+        # One row for a grammar's mask: at a proposal (verify) and for a proposer's fallback (propose), never both
+        # at once.
+        self._bitmask: torch.Tensor | None = None
         self.eos_token_ids = eos_token_ids
         self.proposer = (
             proposer
@@ -242,12 +243,10 @@ class Speculator:
         probe = grammar.clone()
         if (tokens and not probe.accept_tokens(tokens)) or probe.is_terminated():
             return None
-        manager = self.structured.ensure_manager()
-        if self._probe_bitmask is None:
-            self._probe_bitmask = manager.allocate_bitmask(1)
-        if manager.fill_bitmask([(probe, 0)], self._probe_bitmask):
+        bitmask = self._one_row_bitmask()
+        if self.structured.ensure_manager().fill_bitmask([(probe, 0)], bitmask):
             return None
-        allowed = unpack_bitmask(self._probe_bitmask[0], logits.shape[-1])
+        allowed = unpack_bitmask(bitmask[0], logits.shape[-1])
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         if not allowed[token] or len(self._allowed_prefix(seq, [*tokens, token])) != len(tokens) + 1:
             return None
@@ -271,10 +270,13 @@ class Speculator:
         )
         return self.sample(x, [sampling_row], self._mask(grammar) if grammar is not None else None)
 
-    def _mask(self, grammar: Any) -> TokenMask:
+    def _one_row_bitmask(self) -> torch.Tensor:
         if self._bitmask is None:
             self._bitmask = self.structured.ensure_manager().allocate_bitmask(1)
-        bitmask = self._bitmask
+        return self._bitmask
+
+    def _mask(self, grammar: Any) -> TokenMask:
+        bitmask = self._one_row_bitmask()
 
         def fill(rows: list[int]) -> None:
             failures = self.structured.ensure_manager().fill_bitmask([(grammar, 0)], bitmask)

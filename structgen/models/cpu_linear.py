@@ -53,11 +53,7 @@ class PackedLinear:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> PackedLinear:
-        if (
-            weight.dtype not in (torch.bfloat16, torch.float32)
-            or weight.dim() != 2
-            or weight.device.type != "cpu"
-        ):
+        if weight.dtype not in PACKED_DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(
                 f"PackedLinear needs a 2-D bf16 or fp32 CPU weight, got {weight.dtype} {list(weight.shape)}"
             )
