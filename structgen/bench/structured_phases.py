@@ -31,8 +31,10 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("grammar poll + fill start", "structgen.engine.structured:StructuredOutputs.prepare"),
     ("inputs", "structgen.engine.model_runner:ModelRunner._prepare"),
     ("forward", "structgen.engine.model_runner:ModelRunner._forward"),
-    # ("logits", the model class's compute_logits): resolved per engine, see `PhaseTimer.install`
-    ("mask wait", "structgen.structured.request:StructuredLogitsProcessor.__call__"),
+    # ("logits", also the model class's compute_logits): resolved per engine, see `PhaseTimer.install`
+    ("logits", "structgen.engine.model_runner:ModelRunner._logits"),
+    ("mask wait", "structgen.structured.logits_processor:StructuredLogitsProcessor.__call__"),
+    ("mask wait", "structgen.structured.logits_processor:StructuredLogitsProcessor.narrow_rows"),
     ("mask fill now", "structgen.engine.token_mask:TokenMask.ensure_filled"),
     ("mask apply", "structgen.engine.token_mask:TokenMask.apply"),
     ("sampler rest", "structgen.engine.sampler:Sampler.__call__"),
@@ -61,7 +63,8 @@ OTHER = "other"
 def phase_names() -> list[str]:
     """Every phase in report order (the logits after the forward; "other" last)."""
     names = list(dict.fromkeys(phase for phase, _ in TARGETS))
-    names.insert(names.index("forward") + 1, LOGITS)
+    if LOGITS not in names:
+        names.insert(names.index("forward") + 1, LOGITS)
     return [*names, OTHER]
 
 

@@ -79,3 +79,22 @@ def pick_among(values: Tensor, *, uniform: Tensor | None = None) -> tuple[int, b
         return 0, False
     cum = (values.double() - float(top)).exp_().cumsum(0).unsqueeze(0)
     return int(search(cum, uniform.reshape(1, 1) * cum[:, -1:])), True
+
+
+def pick_among_rows(values: Tensor, uniforms: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`pick_among` for several rows at once: `values` `[rows, k]` (each row's allowed tokens' logits,
+    temperature applied, padded with -inf), `uniforms` float64 `[rows]` with NaN for greedy rows (None: all
+    greedy). Returns (index into each row, whether the row had any possible token). Row by row the same
+    picks as `pick_among`: the first maximum, or the same float64 cumulative sums searched by the same rule
+    (padding adds no mass, so it is never picked)."""
+    top = values.amax(dim=1)
+    possible = torch.isfinite(top)
+    index = values.argmax(dim=1)
+    if uniforms is not None:
+        drawn = ~torch.isnan(uniforms) & possible
+        if bool(drawn.any()):
+            part = values[drawn].double()
+            cum = (part - top[drawn].double().unsqueeze(1)).exp_().cumsum(1)
+            target = uniforms[drawn].unsqueeze(1) * cum[:, -1:]
+            index[drawn] = search(cum, target).squeeze(1)
+    return index, possible

@@ -256,6 +256,7 @@ class LLMEngine:
             self.structured.attach(seq, params.structured_outputs)
             if self.logits_processor is None:
                 self.logits_processor = self.structured.processor
+                self.logits_processor.narrow_limit = self.runner.narrow_limit  # type: ignore[union-attr]
         self.output_processor.start(seq)
         if seq.reasoning is not None and seq.structured is None:
             # (A structured request begins when its grammar is ready, `StructuredOutputs.poll`.)

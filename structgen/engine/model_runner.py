@@ -20,6 +20,7 @@ from structgen.attention import AttentionMetadata, KVCache, allocate_kv_cache
 from structgen.distributed.step_io import StepInput
 from structgen.engine.block_manager import cdiv
 from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
+from structgen.engine.narrow_logits import NARROW_LIMIT, narrow_logits, supports_narrow_logits
 from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
 from structgen.engine.scheduler import SchedulerOutput
@@ -77,6 +78,10 @@ class ModelRunner:
         # With LoRA adapters (`structgen.lora.layers.LoRAStep`): a step with adapter rows runs eagerly (the CUDA
         # graphs were captured without them).
         self.lora_step: Any = None
+        # Sampling rows whose structured mask allows at most this many tokens get logits for those alone
+        # (`narrow_logits`, CPU and one rank); 0: never. The engine hands it to its logits processor.
+        lm_head = getattr(model, "lm_head", None)
+        self.narrow_limit = NARROW_LIMIT if supports_narrow_logits(lm_head) else 0
 
     # -- KV cache ----------------------------------------------------------------------------------------------
 
@@ -212,7 +217,8 @@ class ModelRunner:
             order = sorted(spec)
             extra = [p for row in order for p in range(ends[row] - spec[row], ends[row])]
             index = torch.cat([index, torch.tensor(extra, dtype=torch.long, device=self.device)])
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # type: ignore[operator]
+        narrow = self._narrow_rows(logits_processor, batch, rows) if not spec else {}
+        logits = self._logits(hidden.index_select(0, index), narrow)
         self.spec_logits = {}
         if spec:
             start = len(rows)
@@ -256,6 +262,23 @@ class ModelRunner:
             else SamplerOutput([])
         )
         return _spread(out, good, len(sampling_rows)), failed
+
+    def _logits(self, hidden: torch.Tensor, narrow: dict[int, torch.Tensor]) -> torch.Tensor:
+        """float32 logits of the sampling rows' hidden states; rows in `narrow` only for their allowed tokens
+        (`narrow_logits`: -inf elsewhere)."""
+        if narrow:
+            return narrow_logits(self.model.lm_head, hidden, narrow)  # type: ignore[arg-type]
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    def _narrow_rows(
+        self, logits_processor: LogitsProcessor | None, batch: SchedulerOutput, rows: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """The logits processor's narrow rows ({sampling row: allowed ids}), where the lm_head supports them
+        and each sampling row has its own row of logits (no forks sharing their parent's)."""
+        narrow_rows = getattr(logits_processor, "narrow_rows", None)
+        if narrow_rows is None or not self.narrow_limit or len(rows) != len(batch.sample_indices):
+            return {}
+        return narrow_rows(batch.sample_seqs, self.num_valid_tokens)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from structgen.engine.fast_picks import allowed_token_ids, pick_among, row_argmax
+from structgen.engine.fast_picks import allowed_token_ids, pick_among_rows, row_argmax
 from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.logprobs import raw_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
@@ -224,12 +224,16 @@ class Sampler:
         """Rows of `indices` whose mask allows many tokens, and (row, allowed ids) for those allowing few."""
         if not indices or x.device.type != "cpu" or mask.bitmask.device.type != "cpu":
             return indices, []
-        mask.ensure_filled(indices)
-        packed = mask.bitmask.contiguous().numpy().view(np.uint8)
-        dense, sparse = [], []
-        for i in indices:
-            ids = allowed_token_ids(packed[i], x.shape[1])
-            (dense.append(i) if ids is None else sparse.append((i, ids)))
+        listed = mask.allowed
+        sparse = [(i, listed[i]) for i in indices if i in listed]
+        rest = [i for i in indices if i not in listed] if sparse else indices
+        dense = []
+        if rest:
+            mask.ensure_filled(rest)
+            packed = mask.bitmask.contiguous().numpy().view(np.uint8)
+            for i in rest:
+                ids = allowed_token_ids(packed[i], x.shape[1])
+                (dense.append(i) if ids is None else sparse.append((i, ids)))
         return dense, sparse
 
     def _pick_among_allowed(
@@ -242,18 +246,31 @@ class Sampler:
     ) -> list[int]:
         """Pick each (row, allowed ids) among those tokens alone (see `fast_picks`); returns the rows with no
         possible token (marked not ok), which the caller masks so that the error names the mask."""
-        sampled = [i for i, _ in sparse if not rows[i].params.greedy]
-        uniforms = dict(zip(sampled, self._uniforms([rows[i] for i in sampled], x.device), strict=True))
+        if not sparse:
+            return []
+        counts = torch.tensor([len(ids) for _, ids in sparse])
+        draws = [j for j, (i, _) in enumerate(sparse) if not rows[i].params.greedy]
+        uniforms = None
+        if draws:  # NaN for the greedy rows; drawn in the order `pick_among` row by row would draw them
+            uniforms = torch.full((len(sparse),), float("nan"), dtype=torch.float64)
+            uniforms[draws] = self._uniforms([rows[sparse[j][0]] for j in draws], x.device).cpu()
+        # Every row's allowed logits side by side, padded with -inf: one pick for all (`pick_among_rows`).
+        ids = torch.cat([ids for _, ids in sparse])
+        which = torch.repeat_interleave(torch.arange(len(sparse)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        values = torch.full((len(sparse), max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype)
+        values[which, torch.arange(len(ids)) - starts[which]] = x[
+            torch.tensor([i for i, _ in sparse])[which], ids
+        ]
+        scale = [rows[i].params.temperature if j in draws else 1.0 for j, (i, _) in enumerate(sparse)]
+        if any(t != 1.0 for t in scale):
+            values /= torch.tensor(scale, dtype=values.dtype).unsqueeze(1)
+        index, possible = pick_among_rows(values, uniforms)
         dead = []
-        for i, ids in sparse:
-            params = rows[i].params
-            values = x[i, ids]
-            if not params.greedy and params.temperature != 1.0:
-                values = values / params.temperature
-            index, possible = pick_among(values, uniform=uniforms.get(i))
-            token_ids[i] = int(ids[index]) if possible else -1
-            ok[i] = possible
-            if not possible:
+        for j, ((i, _), good) in enumerate(zip(sparse, possible.tolist(), strict=True)):
+            token_ids[i] = int(ids[starts[j] + index[j]]) if good else -1
+            ok[i] = good
+            if not good:
                 dead.append(i)
         return dead
 

@@ -59,6 +59,9 @@ class TokenMask:
     # when the whole row is needed (to mask it, or to list its few allowed tokens).
     unfilled: dict[int, Callable[[int], bool]] = field(default_factory=dict)
     fill: Callable[[list[int]], None] | None = None
+    # Rows whose allowed tokens are already listed (ascending ids; the narrow rows, whose logits were computed
+    # for those tokens alone: `structgen.engine.narrow_logits`), so the sampler need not list them again.
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def allows(self, rows: list[int], token_ids: torch.Tensor) -> list[bool]:
         """Whether each `token_ids[j]` is allowed in batch row `rows[j]`: one bit read (or check) per row."""
@@ -110,4 +113,5 @@ class TokenMask:
             bitmask=self.bitmask.index_select(0, index),
             rows=[position[r] for r in self.rows if r in position],
             eager=[position[r] for r in self.eager if r in position],
+            allowed={position[r]: ids for r, ids in self.allowed.items() if r in position},
         )

@@ -18,9 +18,10 @@ from structgen.structured.errors import (
     UnsupportedSchemaError,
 )
 from structgen.structured.limits import SchemaLimits
+from structgen.structured.logits_processor import StructuredLogitsProcessor
 from structgen.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from structgen.structured.normalize import SchemaChange, ServingPath, normalize_schema
-from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
+from structgen.structured.request import StructuredRequest
 from structgen.structured.select import CompiledSpec, compile_spec
 from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
 from structgen.structured.tokenizer_info import TokenizerInfo

@@ -32,7 +32,7 @@ _MAX_END_BYTES = 64
 class LoopGuard:
     """Per sequence: fed every token that enters the grammar; says what to append to end a looping value."""
 
-    __slots__ = ("_offsets", "_quiet_until", "_tokens", "hints", "max_number_digits", "tokens")
+    __slots__ = ("_offsets", "_quiet_until", "_seen", "_tokens", "hints", "max_number_digits", "tokens")
 
     def __init__(
         self,
@@ -50,11 +50,14 @@ class LoopGuard:
         self._tokens: list[int] = []
         self._offsets: list[int] = []  # byte offset in the output where each token starts
         self._quiet_until = 0  # after an ended loop, its tokens no longer count as a repetition
+        # token -> its indices among the last MAX_PERIOD + 1 tokens: the only periods a new token can close
+        self._seen: dict[int, list[int]] = {}
 
     def copy(self) -> LoopGuard:
         twin = LoopGuard(self.tokens, max_number_digits=self.max_number_digits, hints=self.hints)
         twin._tokens, twin._offsets = list(self._tokens), list(self._offsets)
         twin._quiet_until = self._quiet_until
+        twin._seen = {token: list(at) for token, at in self._seen.items()}
         return twin
 
     def step(
@@ -115,13 +118,27 @@ class LoopGuard:
         history.append(token)
         self._offsets.append(offset)
         n = len(history)
-        for p in range(1, min(MAX_PERIOD, n // MIN_REPEATS) + 1):
-            if history[n - 1 - p] != token:
-                continue  # most periods fail here, at one comparison
+        # A period p needs history[n - 1 - p] == token: only the token's own recent places are candidates
+        # (checking every period up to 32 a token was most of the guard's time on outputs with many tokens).
+        at = self._seen.get(token)
+        if at is None:
+            self._seen[token] = [n - 1]
+            return 0
+        oldest = n - 2 - MAX_PERIOD
+        if at[0] < oldest:
+            at[:] = [i for i in at if i >= oldest]
+        found = 0
+        longest = min(MAX_PERIOD, n // MIN_REPEATS)
+        for i in reversed(at):  # the shortest period first, as before
+            p = n - 1 - i
+            if p > longest:
+                break
             span = max(MIN_REPEATS * p, -(-MIN_SPAN // p) * p)
             if span <= n and history[n - span + p :] == history[n - span : n - p]:
-                return span
-        return 0
+                found = span
+                break
+        at.append(n - 1)
+        return found
 
 
 def _looping_value(scanner: JsonScanner, loop_start: int) -> int | None:

@@ -12,6 +12,11 @@ one kind for non-JSON grammars), a running rate of rejected lazy picks, and a ro
 high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
 that learns the format (or a position that changed nature) stops being hinted. The hint changes cost only,
 never which token is drawn (see `token_mask`).
+
+The same request also keeps, per kind of position, how often its mask there was narrow (a few allowed tokens:
+a digit, `true`/`false`, `,` or `]`), measured on rows whose mask was filled. A row expected narrow is filled
+on the mask thread during the forward, so that its logits can be computed for its allowed tokens alone
+(`structgen.engine.narrow_logits`); a position found wide is left unfilled, and tried again now and then.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from dataclasses import dataclass, field
 _WEIGHT = 0.3
 _HINT_ABOVE = 0.5
 _DECAY = 0.93
+# The narrow rate's weight of the newest filled row, the rate from which a row is filled ahead, and how far an
+# unfilled position's rate climbs back each step (a wide position is filled again after about ten steps).
+_NARROW_WEIGHT = 0.3
+_NARROW_ABOVE = 0.3
+_NARROW_RETRY = 0.01
 
 
 @dataclass(slots=True)
@@ -30,6 +40,7 @@ class PickHints:
     """One request's rejection rates by kind of position (`context`: any hashable; None for no JSON view)."""
 
     rates: dict[int | None, float] = field(default_factory=dict)
+    narrow: dict[int | None, float] = field(default_factory=dict)  # by kind of position; 1.0 until measured
 
     def hinted(self, context: int | None) -> bool:
         """Whether a pick at this kind of position is expected to be rejected (mask first)."""
@@ -41,3 +52,17 @@ class PickHints:
 
     def picked_hinted(self, context: int | None) -> None:
         self.rates[context] = self.rates.get(context, 0.0) * _DECAY
+
+    def expects_narrow(self, context: int | None) -> bool:
+        """Whether the mask at this kind of position is expected to allow few tokens (fill it ahead)."""
+        return self.narrow.get(context, 1.0) > _NARROW_ABOVE
+
+    def saw_width(self, context: int | None, *, narrow: bool) -> None:
+        """A filled row's mask at this kind of position was narrow or not."""
+        rate = self.narrow.get(context, 1.0)
+        self.narrow[context] = rate + _NARROW_WEIGHT * (float(narrow) - rate)
+
+    def left_unfilled(self, context: int | None) -> None:
+        """Not filled ahead this step (expected wide): the expectation fades towards another try."""
+        rate = self.narrow.get(context, 1.0)
+        self.narrow[context] = rate + _NARROW_RETRY

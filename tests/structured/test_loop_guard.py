@@ -194,3 +194,45 @@ def test_outputs_without_loops_are_untouched(
     assert not any(run.inserted)
     assert run.finisher.loops_ended == 0
     assert run.text() == text
+
+
+def _reference_push(history: list[int]) -> int:
+    """The repetition check as first written: every period up to MAX_PERIOD, for the last token of `history`."""
+    from structgen.structured.loop_guard import MAX_PERIOD, MIN_REPEATS, MIN_SPAN
+
+    n, token = len(history), history[-1]
+    for p in range(1, min(MAX_PERIOD, n // MIN_REPEATS) + 1):
+        if history[n - 1 - p] != token:
+            continue
+        span = max(MIN_REPEATS * p, -(-MIN_SPAN // p) * p)
+        if span <= n and history[n - span + p :] == history[n - span : n - p]:
+            return span
+    return 0
+
+
+@pytest.mark.parametrize("alphabet", [1, 2, 3, 7, 40])
+def test_repetition_check_matches_the_reference(byte_tokens: ByteTokens, alphabet: int) -> None:
+    """The guard's check, which looks only at the periods the new token can close, finds the same loops as
+    checking every period, on random streams (small alphabets repeat a lot) with planted repetitions; copies
+    carry on alike."""
+    import random
+
+    from structgen.structured.loop_guard import LoopGuard
+
+    rng = random.Random(alphabet)
+    guard = LoopGuard(byte_tokens)
+    history: list[int] = []
+    twin = None
+    for i in range(1500):
+        if rng.random() < 0.02 and len(history) > 40:  # plant a run of some earlier stretch
+            period = rng.randint(1, 40)
+            stream = history[-period:] * rng.randint(1, 6)
+        else:
+            stream = [rng.randrange(alphabet)]
+        for token in stream:
+            history.append(token)
+            assert guard._push(token, 0) == _reference_push(history)
+            if twin is not None:
+                assert twin._push(token, 0) == _reference_push(history)
+        if i == 700:
+            twin = guard.copy()

@@ -36,3 +36,19 @@ def test_a_hinted_position_is_tried_lazily_again() -> None:
     for _ in range(3):
         hints.picked_lazily(NUMBER, rejected=False)
     assert not hints.hinted(NUMBER)
+
+
+def test_narrow_positions_are_filled_ahead_and_wide_ones_tried_again_now_and_then() -> None:
+    hints = PickHints()
+    assert hints.expects_narrow(NUMBER) and hints.expects_narrow(STRING)  # never measured: fill and see
+    for _ in range(4):
+        hints.saw_width(NUMBER, narrow=True)
+        hints.saw_width(STRING, narrow=False)
+    assert hints.expects_narrow(NUMBER) and not hints.expects_narrow(STRING)
+    skipped = 0
+    while not hints.expects_narrow(STRING):
+        hints.left_unfilled(STRING)
+        skipped += 1
+    assert 3 <= skipped <= 30  # a wide position is filled again after a while, not every step
+    hints.saw_width(STRING, narrow=False)
+    assert not hints.expects_narrow(STRING)

@@ -16,7 +16,8 @@ from structgen.structured import (
     UnsupportedSchemaError,
 )
 from structgen.structured.bitmask import unpack_bitmask
-from structgen.structured.request import StructuredLogitsProcessor, StructuredRequest
+from structgen.structured.logits_processor import StructuredLogitsProcessor
+from structgen.structured.request import StructuredRequest
 
 
 @pytest.fixture()

@@ -1,0 +1,72 @@
+"""Logits of rows whose structured-output mask allows only a few tokens, computed for those tokens alone.
+
+A constrained row at a structural point of its format (a digit, `true` / `false`, `,` or `]`, the first token of
+an enum value) allows a handful of tokens, yet its logits cost a product with the whole lm_head: on SmolLM2 a
+49,152 x 576 matrix a row, about a seventh of a 32-row decode step on the CPU (BENCHMARKS.md, issue 22), after
+which the sampler picks among the few allowed tokens anyway (`fast_picks.pick_among`). Where such a row's mask
+was filled during the forward (`StructuredLogitsProcessor.narrow_rows`), its logits here are its hidden state's
+products with the allowed tokens' rows of the lm_head, one small product for all narrow rows (over the union
+of their allowed tokens), and -inf everywhere else: the masked row the sampler would have picked from. The
+products are the same sums as the full lm_head's, in bf16 too, so the masked distribution is the same; a
+smaller product may round a last bit differently, as a different batch size may.
+
+`narrow_logits` takes the lm_head itself (`ParallelLMHead`, one rank) and returns what `compute_logits` would,
+float32 `[rows, vocab]`, with the narrow rows filled this way and the others through the lm_head's own product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from structgen.engine.fast_picks import SPARSE_LIMIT
+
+# A row is computed narrow when its mask allows at most this many tokens (the sampler's own sparse limit: the
+# rows it picks among their allowed tokens anyway).
+NARROW_LIMIT = SPARSE_LIMIT
+# Past this many distinct tokens over the narrow rows of a step, the shared product would cost more than it
+# saves (each narrow row computes every token of the union): those rows go through the full lm_head.
+_UNION_LIMIT = 8192
+
+
+def supports_narrow_logits(lm_head: nn.Module | None) -> bool:
+    """Whether `narrow_logits` applies to this lm_head: a plain weight on one rank, on the CPU (on a GPU the full
+    product is cheap next to the wait it would take to know the narrow rows before it)."""
+    weight = getattr(lm_head, "weight", None)
+    return (
+        weight is not None
+        and getattr(lm_head, "tp_size", 1) == 1
+        and weight.device.type == "cpu"
+        and callable(getattr(lm_head, "compute_logits", None))
+    )
+
+
+def narrow_logits(lm_head: nn.Module, hidden: Tensor, narrow: dict[int, Tensor]) -> Tensor:
+    """float32 logits `[n, vocab]` of `hidden` `[n, hidden_size]`: the rows in `narrow` ({row: allowed token ids,
+    ascending}) hold their allowed tokens' logits and -inf elsewhere; the other rows the lm_head's full product."""
+    weight: Tensor = lm_head.weight  # type: ignore[assignment]
+    n, vocab = hidden.shape[0], weight.shape[0]
+    rows = sorted(narrow)
+    if hidden.dim() != 2 or not rows or rows[-1] >= n:
+        raise ValueError(
+            f"narrow rows {rows[:4]}... do not index hidden states of shape {list(hidden.shape)}"
+        )
+    allowed = [narrow[row] for row in rows]
+    union = torch.unique(torch.cat(allowed))  # sorted
+    if len(union) > _UNION_LIMIT:
+        return lm_head.compute_logits(hidden).float()
+    # -inf over all rows in one pass (index_fill_ over rows is ~10x slower), then the whole rows copied in.
+    out = torch.full((n, vocab), float("-inf"), dtype=torch.float32, device=hidden.device)
+    dense = [row for row in range(n) if row not in narrow]
+    if dense:
+        index = torch.tensor(dense, dtype=torch.long, device=hidden.device)
+        out.index_copy_(0, index, lm_head.compute_logits(hidden.index_select(0, index)).float())
+    index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+    # One product for all narrow rows over the union of their tokens, in the weight's dtype like the full one.
+    part = F.linear(hidden.index_select(0, index).to(weight.dtype), weight.index_select(0, union)).float()
+    counts = torch.tensor([len(ids) for ids in allowed], device=hidden.device)
+    which = torch.repeat_interleave(torch.arange(len(rows), device=hidden.device), counts)
+    ids = torch.cat(allowed)
+    out[index[which], ids] = part[which, torch.searchsorted(union, ids)]
+    return out

@@ -1,0 +1,261 @@
+"""The batch logits processor the engine installs for structured output: `logits_processor(logits, seqs)`.
+
+It fills the bitmask rows of the constrained sequences (started early with `prepare`, so the fill overlaps the
+model forward) and masks only those rows, or, deferring to the sampler, hands over a `TokenMask` in which rows
+of grammars that check single tokens cheaply are left unfilled until the sampler needs them whole.
+
+Before the lm_head, `narrow_rows` tells the runner which rows' masks, filled during the forward, allow only a
+few tokens: their logits are computed for those tokens alone (`structgen.engine.narrow_logits`) and the sampler
+picks among them. Which lazy rows to fill ahead for that is each request's guess by kind of position
+(`pick_hints`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from structgen.engine.fast_picks import allowed_token_ids
+from structgen.engine.token_mask import TokenMask, needs_masked_distribution
+from structgen.structured.backend import Grammar
+from structgen.structured.bitmask import apply_token_bitmask_
+from structgen.structured.manager import FillFailures, StructuredOutputManager
+
+
+class StructuredLogitsProcessor:
+    """`logits_processor(logits, seqs)` for the engine: masks the rows whose sequence has a grammar.
+
+    Call `prepare(seqs)` before the model forward to fill the mask on the mask thread meanwhile; `__call__`
+    then waits for it (or, given other sequences than were prepared, fills the mask itself).
+    """
+
+    def __init__(
+        self,
+        manager: StructuredOutputManager,
+        grammar_of: Callable[[Any], Grammar | None],
+        *,
+        defer: bool = False,
+        also_allowed: Callable[[Any], int | None] | None = None,
+    ):
+        self.manager = manager
+        self.grammar_of = grammar_of
+        # A token a row may take besides its grammar's, or None (a reasoning model's opening marker, before its
+        # first token decides between reasoning and answering under the grammar).
+        self.also_allowed = also_allowed
+        self._extra: dict[int, int] = {}  # this step's rows with such a token
+        # Hand the mask to the sampler (a `TokenMask`) instead of applying it: the sampler masks only the
+        # rows whose pick the mask would change.
+        self.defer = defer
+        self._bitmask = manager.allocate_bitmask(64)
+        self._pending: tuple[list[Any], list[tuple[Grammar, int]], list[int], Future[FillFailures]] | None = (
+            None
+        )
+        # Sequences whose grammar raised while filling the last mask; the engine fails them (`take_failures`).
+        self._failures: list[tuple[Any, Exception]] = []
+        # The last step's sequences, deferred mask and each constrained row's position (see `pick_hints`).
+        self._last: tuple[list[Any], TokenMask, dict[int, int | None]] | None = None
+        self._positions: dict[int, int | None] = {}  # this step's, by row
+        self._hinted: set[int] = set()  # ids of this step's sequences to mask first (see TokenMask)
+        # Where the runner computes the logits of narrow rows for their allowed tokens alone (the engine sets
+        # it: CPU, one rank): rows whose mask allows at most this many tokens; 0 leaves every row whole.
+        self.narrow_limit = 0
+        self._narrowed: dict[int, torch.Tensor] = {}  # this step's rows computed narrow: their allowed ids
+
+    def prepare(self, seqs: Sequence[Any]) -> None:
+        self._settle()
+        items = self._items(seqs)
+        last, self._last = self._last, None
+        if last is not None:
+            _learn_hints(*last)
+        # Rows whose request's lazy picks are mostly rejected where it now stands are hinted (`pick_hints`).
+        self._positions, self._hinted = {}, set()
+        for _, row in items:
+            request = getattr(seqs[row], "structured", None)
+            if request is not None:
+                position = self._positions[row] = request.position
+                if request.pick_hints.hinted(position):
+                    self._hinted.add(id(seqs[row]))
+        self._extra = {}
+        if self.also_allowed is not None:
+            for _, row in items:
+                token = self.also_allowed(seqs[row])
+                if token is not None:
+                    self._extra[row] = token
+        ahead, deferred = self._split_deferred(seqs, items)
+        future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
+        self._pending = (list(seqs), items, deferred, future)
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> TokenMask | None:
+        pending = self._pending
+        if pending is None or not _same_seqs(pending[0], seqs):
+            self.prepare(seqs)
+            pending = self._pending
+        assert pending is not None
+        self._pending = None
+        seqs_, items, deferred, future = pending
+        narrowed, self._narrowed = self._narrowed, {}
+        rows = [row for _, row in items]
+        failures = future.result()
+        if failures:
+            # Those rows go unmasked (their sample is discarded) and their requests fail after this step.
+            failed = {row for row, _ in failures}
+            self._failures.extend((seqs_[row], error) for row, error in failures)
+            rows = [row for row in rows if row not in failed]
+        if not rows:
+            return None
+        for row, token in self._extra.items():
+            if row not in deferred:
+                _allow(self._bitmask, row, token)
+        if self.defer:
+            grammars = {row: grammar for grammar, row in items}
+            mask = TokenMask(
+                bitmask=self._bitmask,
+                rows=rows,
+                eager=[r for r in rows if id(seqs[r]) in self._hinted or r in narrowed],
+                allowed=narrowed,
+                unfilled={
+                    row: self._token_check(seqs_[row], grammars[row], self._extra.get(row))
+                    for row in deferred
+                },
+                fill=lambda missing: self._fill_now(seqs_, grammars, missing),
+            )
+            self._last = (list(seqs), mask, self._positions)
+            return mask
+        apply_token_bitmask_(logits, self._bitmask, rows=rows)
+        return None
+
+    def narrow_rows(self, seqs: Sequence[Any], vocab: int) -> dict[int, torch.Tensor]:
+        """{row: allowed token ids, ascending} of this step's rows whose mask, filled ahead, allows at most
+        `narrow_limit` tokens (of the first `vocab`): the runner computes their logits for those tokens alone,
+        and the sampler picks among them. Waits for this step's fill (started by `prepare`, so normally done
+        by the end of the forward). Each row filled ahead tells its request whether its position was narrow.
+        Rows that need the whole distribution (logprobs, top-k/p), that may also take a token besides their
+        grammar's, or whose fill failed, stay whole."""
+        pending = self._pending
+        self._narrowed = {}
+        if not self.narrow_limit or pending is None or not _same_seqs(pending[0], seqs):
+            return {}
+        seqs_, items, deferred, future = pending
+        failed = {row for row, _ in future.result()}
+        skip = failed | set(deferred) | set(self._extra)
+        packed = self._bitmask.numpy().view(np.uint8)
+        narrow: dict[int, torch.Tensor] = {}
+        for _, row in items:
+            seq = seqs_[row]
+            params = getattr(seq, "params", None)
+            if row in skip or params is None or needs_masked_distribution(params):
+                continue
+            ids = allowed_token_ids(packed[row], vocab, limit=self.narrow_limit)
+            request = getattr(seq, "structured", None)
+            if request is not None:
+                request.pick_hints.saw_width(self._positions.get(row), narrow=ids is not None)
+            if ids is not None and len(ids) > 0:  # none allowed: the sampler reports the row as dead
+                narrow[row] = ids
+        self._narrowed = narrow
+        return narrow
+
+    def _split_deferred(
+        self, seqs: Sequence[Any], items: list[tuple[Grammar, int]]
+    ) -> tuple[list[tuple[Grammar, int]], list[int]]:
+        """(rows to fill now, on the mask thread; rows left unfilled). A deferred row's pick is checked against
+        its grammar alone (a few µs where filling the row walks the vocabulary) and the row is filled only if
+        the sampler needs it whole: rows of grammars that check tokens cheaply, picked lazily, not hinted."""
+        if not self.defer:
+            return items, []
+        ahead, deferred = [], []
+        for grammar, row in items:
+            seq = seqs[row]
+            params = getattr(seq, "params", None)
+            lazy = params is not None and not needs_masked_distribution(params)
+            if grammar.checks_tokens_cheaply and lazy and id(seq) not in self._hinted:
+                request = getattr(seq, "structured", None)
+                if self.narrow_limit and request is not None:
+                    position = self._positions.get(row)
+                    if request.pick_hints.expects_narrow(position):
+                        ahead.append((grammar, row))  # filled for its narrow logits (`narrow_rows`)
+                        continue
+                    request.pick_hints.left_unfilled(position)
+                deferred.append(row)
+            else:
+                ahead.append((grammar, row))
+        return ahead, deferred
+
+    def _token_check(self, seq: Any, grammar: Grammar, extra: int | None = None) -> Callable[[int], bool]:
+        validate = grammar.validate_tokens
+
+        def check(token: int) -> bool:
+            if token == extra:
+                return True
+            try:
+                return validate((token,)) == 1
+            except Exception as error:  # a grammar bug: its request fails after this step, the batch goes on
+                self._failures.append((seq, error))
+                return True
+
+        return check
+
+    def _fill_now(self, seqs: list[Any], grammars: dict[int, Grammar], rows: list[int]) -> None:
+        """Fill deferred rows the sampler needs whole. A row whose grammar raises allows everything for this
+        step; its request fails after the step, like a failed fill ahead."""
+        for row, error in self.manager.fill_bitmask([(grammars[row], row) for row in rows], self._bitmask):
+            self._bitmask[row].fill_(-1)
+            self._failures.append((seqs[row], error))
+        for row in rows:
+            if row in self._extra:
+                _allow(self._bitmask, row, self._extra[row])
+
+    def take_failures(self) -> list[tuple[Any, Exception]]:
+        """(sequence, error) for each sequence whose grammar failed to fill its mask since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _settle(self) -> None:
+        # A fill still writing into the bitmask must finish before the bitmask is reused.
+        if self._pending is not None:
+            self._pending[3].result()
+            self._pending = None
+
+    def _items(self, seqs: Sequence[Any]) -> list[tuple[Grammar, int]]:
+        if len(seqs) > self._bitmask.shape[0]:
+            self._bitmask = self.manager.allocate_bitmask(2 * len(seqs))
+        items = []
+        for row, seq in enumerate(seqs):
+            grammar = self.grammar_of(seq)
+            if grammar is not None:
+                items.append((grammar, row))
+        return items
+
+
+def _same_seqs(prepared: list[Any], seqs: Sequence[Any]) -> bool:
+    return len(prepared) == len(seqs) and all(a is b for a, b in zip(prepared, seqs, strict=True))
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set `token`'s bit in `bitmask[row]` (int32 words, bit i of word w is token 32 * w + i)."""
+    word, bit = divmod(token, 32)
+    value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _learn_hints(seqs: list[Any], mask: TokenMask, positions: dict[int, int | None]) -> None:
+    """Feed the last step's outcome to each request's pick hints: rows picked lazily, whether the mask rejected
+    the pick (after drawing again); rows hinted, that they were."""
+    eager, rejected = set(mask.eager), set(mask.rejected)
+    for row, position in positions.items():
+        request = getattr(seqs[row], "structured", None)
+        if request is None or row not in mask.rows:
+            continue
+        if row in eager:
+            request.pick_hints.picked_hinted(position)
+        else:
+            request.pick_hints.picked_lazily(position, rejected=row in rejected)
+
+
+def _done() -> Future[FillFailures]:
+    future: Future[FillFailures] = Future()
+    future.set_result([])
+    return future
