@@ -5,10 +5,10 @@ an enum value) allows a handful of tokens, yet its logits cost a product with th
 49,152 x 576 matrix a row, about a seventh of a 32-row decode step on the CPU (BENCHMARKS.md, issue 22), after
 which the sampler picks among the few allowed tokens anyway (`fast_picks.pick_among`). Where such a row's mask
 was filled during the forward (`StructuredLogitsProcessor.narrow_rows`), its logits here are its hidden state's
-products with the allowed tokens' rows of the lm_head, one small product for all narrow rows (over the union
-of their allowed tokens), and -inf everywhere else: the masked row the sampler would have picked from. The
-products are the same sums as the full lm_head's, in bf16 too, so the masked distribution is the same; a
-smaller product may round a last bit differently, as a different batch size may.
+products with the allowed tokens' rows of the lm_head (a matrix-vector product a row), and -inf everywhere
+else: the masked row the sampler would have picked from. The products are the same sums as the full lm_head's
+(in float32, rounded to the weight's dtype as its output is), so the masked distribution is the same; a sum
+in another order may differ in its last bit, as it may between batch sizes.
 
 `narrow_logits` takes the lm_head itself (`ParallelLMHead`, one rank) and returns what `compute_logits` would,
 float32 `[rows, vocab]`, with the narrow rows filled this way and the others through the lm_head's own product.
@@ -17,7 +17,6 @@ float32 `[rows, vocab]`, with the narrow rows filled this way and the others thr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structgen.engine.fast_picks import SPARSE_LIMIT
@@ -25,9 +24,9 @@ from structgen.engine.fast_picks import SPARSE_LIMIT
 # A row is computed narrow when its mask allows at most this many tokens (the sampler's own sparse limit: the
 # rows it picks among their allowed tokens anyway).
 NARROW_LIMIT = SPARSE_LIMIT
-# Past this many distinct tokens over the narrow rows of a step, the shared product would cost more than it
-# saves (each narrow row computes every token of the union): those rows go through the full lm_head.
-_UNION_LIMIT = 8192
+# Past this many allowed tokens over the narrow rows of a step (their gathered lm_head rows), the full product
+# is as cheap: the step goes through it.
+_TOKENS_LIMIT = 32768
 
 
 def supports_narrow_logits(lm_head: nn.Module | None) -> bool:
@@ -53,8 +52,7 @@ def narrow_logits(lm_head: nn.Module, hidden: Tensor, narrow: dict[int, Tensor])
             f"narrow rows {rows[:4]}... do not index hidden states of shape {list(hidden.shape)}"
         )
     allowed = [narrow[row] for row in rows]
-    union = torch.unique(torch.cat(allowed))  # sorted
-    if len(union) > _UNION_LIMIT:
+    if sum(len(ids) for ids in allowed) > _TOKENS_LIMIT:
         return lm_head.compute_logits(hidden).float()
     # -inf over all rows in one pass (index_fill_ over rows is ~10x slower), then the whole rows copied in.
     out = torch.full((n, vocab), float("-inf"), dtype=torch.float32, device=hidden.device)
@@ -62,11 +60,11 @@ def narrow_logits(lm_head: nn.Module, hidden: Tensor, narrow: dict[int, Tensor])
     if dense:
         index = torch.tensor(dense, dtype=torch.long, device=hidden.device)
         out.index_copy_(0, index, lm_head.compute_logits(hidden.index_select(0, index)).float())
-    index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-    # One product for all narrow rows over the union of their tokens, in the weight's dtype like the full one.
-    part = F.linear(hidden.index_select(0, index).to(weight.dtype), weight.index_select(0, union)).float()
-    counts = torch.tensor([len(ids) for ids in allowed], device=hidden.device)
-    which = torch.repeat_interleave(torch.arange(len(rows), device=hidden.device), counts)
-    ids = torch.cat(allowed)
-    out[index[which], ids] = part[which, torch.searchsorted(union, ids)]
+    # Row by row (a matrix-vector product each, in float32, rounded to the weight's dtype as the full product's
+    # output is): a row's logits must not depend on where it sits in the batch, and a batched float32 GEMM's do
+    # (MKL's sgemm sums a row differently at another position), which would give two requests with the same
+    # seed different draws.
+    for row, ids in zip(rows, allowed, strict=True):
+        products = torch.mv(weight.index_select(0, ids).float(), hidden[row].float())
+        out[row, ids] = products.to(weight.dtype).float()
     return out

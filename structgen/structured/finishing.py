@@ -179,7 +179,8 @@ class Finisher:
         if closer.step(grammar, self.scanner, room, appended, same_string=same_string):
             # Complete with no room left: end here (an accepting grammar may still allow more, e.g. a number).
             end = room <= 0 and closer.plan == ()
-            self.closed_at_budget |= end
+            # (An output whose grammar is over ended on its own, as it would without closing: not closed.)
+            self.closed_at_budget |= end and not grammar.is_terminated()
             return Advance(True, appended[1:], end=end)
         after = self.scanner
         grammar.rollback(len(appended))
