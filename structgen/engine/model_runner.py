@@ -217,8 +217,17 @@ class ModelRunner:
             order = sorted(spec)
             extra = [p for row in order for p in range(ends[row] - spec[row], ends[row])]
             index = torch.cat([index, torch.tensor(extra, dtype=torch.long, device=self.device)])
-        narrow = self._narrow_rows(logits_processor, batch, rows) if not spec else {}
-        logits = self._logits(hidden.index_select(0, index), narrow)
+        narrow = self._narrow_rows(logits_processor, batch) if not spec else {}
+        forked = len(rows) != len(batch.sample_indices)  # forks sample from their parent's row
+        if forked:
+            position = {row: j for j, row in enumerate(rows)}
+            pick = torch.tensor([position[i] for i in batch.sample_indices], device=self.device)
+        if narrow:
+            # One row of logits per sampling sequence (a fork's parent row for each of its samples), so that
+            # each is narrow or whole by its own mask alone: the same logits whatever else is in the batch.
+            logits = self._logits(hidden.index_select(0, index[pick] if forked else index), narrow)
+        else:
+            logits = self._logits(hidden.index_select(0, index), narrow)
         self.spec_logits = {}
         if spec:
             start = len(rows)
@@ -226,9 +235,7 @@ class ModelRunner:
                 self.spec_logits[row] = logits[start : start + spec[row]]
                 start += spec[row]
             logits = logits[: len(rows)]
-        if len(rows) != len(batch.sample_indices):  # forks sample from their parent's row
-            position = {row: j for j, row in enumerate(rows)}
-            pick = torch.tensor([position[i] for i in batch.sample_indices], device=self.device)
+        if forked and not narrow:
             logits = logits.index_select(0, pick)
         if self.num_valid_tokens < logits.shape[1]:
             logits[:, self.num_valid_tokens :] = float("-inf")
@@ -271,12 +278,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     def _narrow_rows(
-        self, logits_processor: LogitsProcessor | None, batch: SchedulerOutput, rows: list[int]
+        self, logits_processor: LogitsProcessor | None, batch: SchedulerOutput
     ) -> dict[int, torch.Tensor]:
-        """The logits processor's narrow rows ({sampling row: allowed ids}), where the lm_head supports them
-        and each sampling row has its own row of logits (no forks sharing their parent's)."""
+        """The logits processor's narrow rows ({index in `batch.sample_seqs`: allowed ids}), where the lm_head
+        supports them."""
         narrow_rows = getattr(logits_processor, "narrow_rows", None)
-        if narrow_rows is None or not self.narrow_limit or len(rows) != len(batch.sample_indices):
+        if narrow_rows is None or not self.narrow_limit:
             return {}
         return narrow_rows(batch.sample_seqs, self.num_valid_tokens)
 

@@ -81,14 +81,6 @@ def test_narrow_rows_hold_the_full_products_of_their_allowed_tokens(dtype: torch
         assert torch.isneginf(out[row, rest]).all()
 
 
-def test_too_many_distinct_tokens_take_the_full_product(monkeypatch: pytest.MonkeyPatch) -> None:
-    head = _head(torch.float32, packed=False)
-    hidden = torch.randn(2, 64)
-    monkeypatch.setattr(narrow_module, "_TOKENS_LIMIT", 10)
-    out = narrow_logits(head, hidden, {0: torch.arange(6), 1: torch.arange(6, 12)})
-    torch.testing.assert_close(out, head.compute_logits(hidden).float())
-
-
 def test_bad_rows_are_refused() -> None:
     head = _head(torch.float32, packed=False)
     with pytest.raises(ValueError, match="narrow rows"):
