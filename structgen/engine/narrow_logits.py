@@ -22,9 +22,9 @@ from torch import Tensor, nn
 # A row is computed narrow when its mask allows at most this many tokens: gathering and multiplying that many
 # lm_head rows is a few percent of a full row (SmolLM2 ~0.35 ms, cl100k ~0.7 ms on one core); the structural
 # points allow far fewer (`true`/`false`, `,` `]`, an enum's first tokens), a number's position on cl100k about
-# 1,100 (its 1-3 digit tokens), so 2,048 takes those in too. Whether a row is
-# narrow depends on its own mask alone, never on the rest of the batch: its logits (and so its draws) must be
-# the same whatever it is batched with.
+# 1,100 (its 1-3 digit tokens), so 2,048 takes those in too. Whether a row is narrow depends on its own mask
+# alone, never on the rest of the batch: its logits (and so its draws) must be the same whatever it is batched
+# with.
 NARROW_LIMIT = 2048
 
 
