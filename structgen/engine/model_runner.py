@@ -222,12 +222,9 @@ class ModelRunner:
         if forked:
             position = {row: j for j, row in enumerate(rows)}
             pick = torch.tensor([position[i] for i in batch.sample_indices], device=self.device)
-        if narrow:
-            # One row of logits per sampling sequence (a fork's parent row for each of its samples), so that
-            # each is narrow or whole by its own mask alone: the same logits whatever else is in the batch.
-            logits = self._logits(hidden.index_select(0, index[pick] if forked else index), narrow)
-        else:
-            logits = self._logits(hidden.index_select(0, index), narrow)
+        # With narrow rows, one row of logits per sampling sequence (a fork's parent row for each of its
+        # samples), so that each is narrow or whole by its own mask alone, whatever else is in the batch.
+        logits = self._logits(hidden.index_select(0, index[pick] if forked and narrow else index), narrow)
         self.spec_logits = {}
         if spec:
             start = len(rows)

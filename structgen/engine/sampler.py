@@ -250,6 +250,7 @@ class Sampler:
             return []
         counts = torch.tensor([len(ids) for _, ids in sparse])
         draws = [j for j, (i, _) in enumerate(sparse) if not rows[i].params.greedy]
+        drawn = set(draws)
         uniforms = None
         if draws:  # NaN for the greedy rows; drawn in the order `pick_among` row by row would draw them
             uniforms = torch.full((len(sparse),), float("nan"), dtype=torch.float64)
@@ -262,7 +263,7 @@ class Sampler:
         values[which, torch.arange(len(ids)) - starts[which]] = x[
             torch.tensor([i for i, _ in sparse])[which], ids
         ]
-        scale = [rows[i].params.temperature if j in draws else 1.0 for j, (i, _) in enumerate(sparse)]
+        scale = [rows[i].params.temperature if j in drawn else 1.0 for j, (i, _) in enumerate(sparse)]
         if any(t != 1.0 for t in scale):
             values /= torch.tensor(scale, dtype=values.dtype).unsqueeze(1)
         index, possible = pick_among_rows(values, uniforms)
