@@ -201,10 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     s.add_argument("--http", action="store_true", help="also measure through the OpenAI server")
     s.add_argument(
-        "--requests", type=int, default=64, help="HTTP requests per side per shape (default %(default)s)"
+        "--http-steps",
+        type=int,
+        default=100,
+        help="HTTP: measured engine steps per side per pass, closed loop (default %(default)s)",
     )
     s.add_argument(
-        "--passes", type=int, default=2, help="HTTP passes, the sides alternating (default %(default)s)"
+        "--passes", type=int, default=3, help="HTTP passes, the sides alternating (default %(default)s)"
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)

@@ -18,7 +18,7 @@ arrays of objects with integers, booleans, enums and short strings, where every 
 - `--http`: the same shapes through the OpenAI server (`structured_http`).
 
     structgen bench structured --parts s [--shapes items,nested] [--steps 200] [--concurrency 32]
-        [--max-tokens 256] [--breakdown] [--http --requests 64 --passes 2] [--json OUT]
+        [--max-tokens 256] [--breakdown] [--http --http-steps 100 --passes 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -397,8 +397,8 @@ def run(args: Any) -> dict[str, Any]:
     if args.http:
         from structgen.bench.structured_http import run_http
 
-        result["http"] = run_http(args.model, shapes, requests=args.requests, passes=args.passes, **options)
-        result["http_requests"], result["http_passes"] = args.requests, args.passes
+        result["http"] = run_http(args.model, shapes, steps=args.http_steps, passes=args.passes, **options)
+        result["http_steps"], result["http_passes"] = args.http_steps, args.passes
         print("\nthrough HTTP (one server, one engine, the sides alternating)")
         print_table(result["http"])
     return result

@@ -50,18 +50,36 @@ def narrow_logits(lm_head: nn.Module, hidden: Tensor, narrow: dict[int, Tensor])
         raise ValueError(
             f"narrow rows {rows[:4]}... do not index hidden states of shape {list(hidden.shape)}"
         )
-    allowed = [narrow[row] for row in rows]
-    # -inf over all rows in one pass (index_fill_ over rows is ~10x slower), then the whole rows copied in.
-    out = torch.full((n, vocab), float("-inf"), dtype=torch.float32, device=hidden.device)
+    # Each row written once: the dense rows' logits converted to float32 as they are copied in (a run of
+    # neighbouring rows at a time), the narrow rows set to -inf and then their allowed tokens. (A -inf fill of
+    # the whole output, then the dense rows converted and index-copied over it, moved ~3x the bytes: on `tiny`'s
+    # 100k vocabulary that ate what 12 narrow rows of 32 saved.)
+    out = torch.empty((n, vocab), dtype=torch.float32, device=hidden.device)
     dense = [row for row in range(n) if row not in narrow]
     if dense:
         index = torch.tensor(dense, dtype=torch.long, device=hidden.device)
-        out.index_copy_(0, index, lm_head.compute_logits(hidden.index_select(0, index)).float())
+        logits = lm_head.compute_logits(hidden.index_select(0, index))
+        for start, stop, at in _runs(dense):
+            out[start:stop].copy_(logits[at : at + stop - start])
     # Row by row (a matrix-vector product each, in float32, rounded to the weight's dtype as the full product's
     # output is): a row's logits must not depend on where it sits in the batch, and a batched float32 GEMM's do
     # (MKL's sgemm sums a row differently at another position), which would give two requests with the same
     # seed different draws.
-    for row, ids in zip(rows, allowed, strict=True):
+    for row in rows:
+        ids = narrow[row]
         products = torch.mv(weight.index_select(0, ids).float(), hidden[row].float())
+        out[row].fill_(float("-inf"))
         out[row, ids] = products.to(weight.dtype).float()
     return out
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """(start, stop, index in `rows` of start) of each run of consecutive row numbers in ascending `rows`."""
+    runs: list[tuple[int, int, int]] = []
+    for i, row in enumerate(rows):
+        if runs and runs[-1][1] == row:
+            start, _, at = runs[-1]
+            runs[-1] = (start, row + 1, at)
+        else:
+            runs.append((row, row + 1, i))
+    return runs

@@ -49,6 +49,9 @@ _LOOKAHEAD = 12
 # Long enough to find the end of an output whose minimum is long (40 required items: ~1,300 bytes): a walk
 # that gives up tells nothing, so the closer would look again and again, each time paying the whole walk.
 MAX_WALK_BYTES = 2048
+# The bytes before a choice inside a string that `walk` keys its earlier choices by (more than any key and
+# separators between two records' same member).
+_CHOICE_CONTEXT = 32
 
 _BYTE_TOKENS: dict[str, ByteTokens] = {}
 
@@ -107,6 +110,10 @@ def walk(
     base = scan.offset
     accepted: list[int] = []
     out = bytearray()
+    # The filler chosen inside a string, by what precedes it: a walk meets the same place again and again (an
+    # enum's first letter in each of 20 required records; the cycle of fillers in a long `minLength` string),
+    # and choosing tries up to ~64 fillers where the one chosen there before needs a single check.
+    chosen: dict[bytes, list[int]] = {}
     try:
         while True:
             if scan.depth < until_depth if until_depth is not None else can_end(grammar, tokens.eos):
@@ -123,6 +130,8 @@ def walk(
                     walked=_value_bytes(out, scan, base),
                     skip=skip,
                     hints=hints,
+                    chosen=chosen,
+                    place=bytes(out[-_CHOICE_CONTEXT:]),
                 )
                 if not step:
                     return None  # nothing printable is allowed here
@@ -163,6 +172,8 @@ def _choose(
     walked: bytes,
     skip: bytes,
     hints: Sequence[bytes] = (),
+    chosen: dict[bytes, list[int]] | None = None,
+    place: bytes = b"",
 ) -> list[int]:
     """The token(s) to take next ([] if none). Outside strings and numbers: the first byte allowed in order.
     Inside a string or a number (`context`), where fillers may go on forever: what ends it (the quote; a closer
@@ -181,7 +192,14 @@ def _choose(
         if token in ends and byte not in skip and grammar.validate_tokens((token,)) == 1:
             return [token]
     if context == STRING and tokens.quote is not None:
-        return _string_filler(grammar, tokens, order, walked=walked, skip=skip, hints=hints)
+        # (`chosen`: the filler taken before where the same bytes preceded, `place`; tried first.)
+        before = chosen.get(place) if chosen is not None else None
+        if before and grammar.validate_tokens(before) == len(before):
+            return before
+        step = _string_filler(grammar, tokens, order, walked=walked, skip=skip, hints=hints)
+        if chosen is not None and step:
+            chosen[place] = step
+        return step
     # The fillers allowed: the common ones first; the rest of the order only where none of those is.
     allowed: list[tuple[int, int]] = []
     for part in (order[:_COMMON], order[_COMMON:]):
@@ -248,10 +266,32 @@ def _string_filler(
 Plan = tuple[int, ...]  # the tokens of a completion
 
 
-_INITIAL_NEED: OrderedDict[tuple[Any, ...], int | None] = OrderedDict()
-_INITIAL_NEED_SIZE = 1024
+_INITIAL: OrderedDict[tuple[Any, ...], Plan | None] = OrderedDict()
+_INITIAL_SIZE = 1024
 # Compile threads fill the cache (`StructuredOutputManager` walks a new grammar there) while the step thread reads.
-_INITIAL_NEED_LOCK = threading.Lock()
+_INITIAL_LOCK = threading.Lock()
+
+
+def initial_completion(
+    tokens: ByteTokens,
+    key: tuple[Any, ...],
+    new_grammar: Callable[[], Grammar],
+    *,
+    hints: Sequence[bytes] = (),
+) -> Plan | None:
+    """The shortest complete output of a grammar (cached by `key`): what every request under it needs at its
+    start, so requests do not each walk it (and their first look realigns it rather than walking again)."""
+    key = (tokens.info.tokenizer_id, *key)
+    with _INITIAL_LOCK:
+        if key in _INITIAL:
+            _INITIAL.move_to_end(key)
+            return _INITIAL[key]
+    plan = shortest_completion(new_grammar(), tokens, JsonScanner(), hints=hints)
+    with _INITIAL_LOCK:
+        _INITIAL[key] = plan
+        while len(_INITIAL) > _INITIAL_SIZE:
+            _INITIAL.popitem(last=False)
+    return plan
 
 
 def initial_need(
@@ -261,20 +301,9 @@ def initial_need(
     *,
     hints: Sequence[bytes] = (),
 ) -> int | None:
-    """Tokens of the shortest complete output of a grammar (cached by `key`): what every request under it
-    needs at its start, so requests do not each walk it."""
-    key = (tokens.info.tokenizer_id, *key)
-    with _INITIAL_NEED_LOCK:
-        if key in _INITIAL_NEED:
-            _INITIAL_NEED.move_to_end(key)
-            return _INITIAL_NEED[key]
-    plan = shortest_completion(new_grammar(), tokens, JsonScanner(), hints=hints)
-    need = None if plan is None else len(plan)
-    with _INITIAL_NEED_LOCK:
-        _INITIAL_NEED[key] = need
-        while len(_INITIAL_NEED) > _INITIAL_NEED_SIZE:
-            _INITIAL_NEED.popitem(last=False)
-    return need
+    """Tokens of `initial_completion` (None: no end found)."""
+    plan = initial_completion(tokens, key, new_grammar, hints=hints)
+    return None if plan is None else len(plan)
 
 
 def canonical(grammar: Grammar, tokens: ByteTokens, walked: list[int], text: bytes) -> Plan:

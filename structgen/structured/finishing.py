@@ -17,9 +17,9 @@ from typing import Any
 
 from structgen.structured.backend import Grammar
 from structgen.structured.budget_closer import BudgetCloser
-from structgen.structured.closing import ByteTokens, initial_need
+from structgen.structured.closing import ByteTokens, initial_completion
 from structgen.structured.errors import GrammarRejectedTokenError
-from structgen.structured.json_scan import STRING, JsonScanner
+from structgen.structured.json_scan import NUMBER, STRING, JsonScanner
 from structgen.structured.loop_guard import LoopGuard
 from structgen.structured.schema_walk import iter_subschemas
 from structgen.structured.spec import StructuredSpec
@@ -145,7 +145,7 @@ class Finisher:
     def prepare(self, key: tuple[Any, ...], new_grammar: Callable[[], Grammar]) -> None:
         """Before the first token: what the grammar (`key` names it) needs to finish from its start."""
         if self.closer is not None:
-            self.closer.expect(initial_need(self.tokens, key, new_grammar, hints=self.hints))
+            self.closer.expect(initial_completion(self.tokens, key, new_grammar, hints=self.hints))
 
     def entered(self, token_ids: list[int]) -> None:
         """Tokens the grammar accepted (sampled or forced), in order."""
@@ -175,8 +175,8 @@ class Finisher:
         if closer is None or before is None or left is None:  # (one implies the others; for the types)
             return Advance(True, appended[1:])
         room = left - (len(appended) - 1)
-        same_string = before.stack == self.scanner.stack and self.scanner.innermost == STRING
-        if closer.step(grammar, self.scanner, room, appended, same_string=same_string):
+        same_value = before.stack == self.scanner.stack and self.scanner.innermost in (STRING, NUMBER)
+        if closer.step(grammar, self.scanner, room, appended, same_value=same_value):
             # Complete with no room left: end here (an accepting grammar may still allow more, e.g. a number).
             end = room <= 0 and closer.plan == ()
             # (An output whose grammar is over ended on its own, as it would without closing: not closed.)

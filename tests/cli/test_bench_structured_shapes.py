@@ -127,9 +127,14 @@ def test_in_process_with_breakdown_on_tiny(tmp_path: Path) -> None:
 
 
 def test_through_http_on_tiny(tmp_path: Path) -> None:
-    report = _run(tmp_path, "--shapes", "nested", "--steps", "0", "--http", "--requests", "4")
-    assert report["http_requests"] == 4 and report["http_passes"] == 2 and "in_process" not in report
+    args = ("--shapes", "nested", "--steps", "0", "--http", "--http-steps", "40", "--passes", "2")
+    report = _run(tmp_path, *args)
+    assert report["http_steps"] == 40 and report["http_passes"] == 2 and "in_process" not in report
     row = report["http"]["nested"]
     _check_rates(row)
-    assert row["unconstrained"]["finished"] == row["constrained"]["finished"] == 4
-    assert row["unconstrained"]["forced"] == 0
+    # Each side's two windows of 40 steps, counted between step boundaries off the engine's own counters.
+    assert row["unconstrained"]["steps"] == row["constrained"]["steps"] == 80
+    assert row["unconstrained"]["forced"] == 0 and row["unconstrained"]["finished"] > 0
+    # Closed loop: 4 requests in flight on every counted step, one sampled token each (16-token outputs that
+    # finish are replaced at once; a step may also be a new request's prefill).
+    assert 0.5 * 80 * 4 <= row["unconstrained"]["sampled"] <= 80 * 4

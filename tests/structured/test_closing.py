@@ -162,7 +162,7 @@ class Stepper:
         return ids
 
     def step(self, ids: list[int], left: int) -> bool:
-        return self.closer.step(self.grammar, self.scanner, left, self.feed(ids), same_string=False)
+        return self.closer.step(self.grammar, self.scanner, left, self.feed(ids), same_value=False)
 
 
 def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
@@ -238,7 +238,11 @@ def test_an_output_out_of_reach_from_the_start_is_never_walked(
         byte_tokens, ("test-long-string",), lambda: _compile(backends["llguidance"], long_string)
     )
     assert need is not None and need > 100
-    run.closer.expect(need)
+    run.closer.expect(
+        closing.initial_completion(
+            byte_tokens, ("test-long-string",), lambda: _compile(backends["llguidance"], long_string)
+        )
+    )
     walks = []
     original = closing.shortest_completion
     monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
@@ -291,6 +295,112 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
         assert rest is not None and len(rest) <= left
         assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
     assert walks == []
+
+
+_SCORES = {
+    "type": "array",
+    "minItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["score"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from structgen.structured import closing
+
+    walks: list[int] = []
+    original = closing.shortest_completion
+    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    return walks
+
+
+def test_digits_written_in_a_number_keep_its_completion(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Digits added to the number the completion ends at once keep the completion (no walk), and where the
+    number cannot end yet (`0.`) a `0` before it; each result is checked to end the output."""
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = _compile(backends["llguidance"], _SCORES)
+    left = 30  # near the budget: the closer looks at every token
+    assert run.step(encode('[{"score":0'), left)
+    plan = run.closer.plan
+    assert plan is not None and byte_tokens.text(list(plan)).startswith(b"}")
+    walks = _count_walks(monkeypatch)
+    for piece, starts in ((".", b"0}"), ("8", b"}"), ("1", b"}"), ("25", b"}")):
+        ids = encode(piece)
+        left -= len(ids)
+        assert run.closer.step(run.grammar, run.scanner, left, run.feed(ids), same_value=True)
+        rest = run.closer.plan
+        assert rest is not None and byte_tokens.text(list(rest)).startswith(starts), (piece, rest)
+        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
+        assert len(rest) == len(plan) + (starts == b"0}")
+    assert walks == []
+
+
+def test_the_first_look_resumes_the_grammars_start_completion(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request's first look near its budget takes the cached completion from the grammar's start past what
+    the output wrote (its forced head ending inside one of the completion's tokens too), without a walk."""
+    from structgen.structured import closing
+
+    def new_grammar() -> Any:
+        return _compile(backends["llguidance"], _SCORES)
+
+    start = closing.initial_completion(byte_tokens, ("test-scores-start",), new_grammar)
+    assert start is not None
+    for head in ('[{"score":', '[{"score'):
+        run = Stepper(backends["llguidance"], byte_tokens)
+        run.grammar = new_grammar()
+        run.closer.expect(start)
+        walks = _count_walks(monkeypatch)
+        ids = encode(head)
+        assert run.step(ids, len(start))  # the budget near from the start: the first step looks
+        rest = run.closer.plan
+        assert rest is not None and walks == [], head
+        assert byte_tokens.text(list(rest)) == byte_tokens.text(list(start))[len(head.encode()) :]
+        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
+
+
+def test_a_walk_through_repeated_records_chooses_as_before(
+    backends: dict[str, StructuredBackend], byte_tokens: ByteTokens
+) -> None:
+    """The walk remembers a string's filler by what precedes it: 12 required records' enum value is chosen
+    once for the first and once for the rest (by the bytes before them) and checked after; the completion is the one choosing each time gives (the first allowed letter,
+    `b`, spelled out by the grammar)."""
+    from structgen.structured import closing
+
+    schema = {
+        "type": "array",
+        "minItems": 12,
+        "items": {
+            "type": "object",
+            "properties": {"status": {"enum": ["todo", "blocked", "done"]}},
+            "required": ["status"],
+            "additionalProperties": False,
+        },
+    }
+    grammar = _compile(backends["llguidance"], schema)
+    calls = []
+    original = closing._string_filler
+    try:
+        closing._string_filler = lambda *a, **k: calls.append(1) or original(*a, **k)  # type: ignore[assignment]
+        plan = closing.shortest_completion(grammar, byte_tokens, JsonScanner())
+    finally:
+        closing._string_filler = original  # type: ignore[assignment]
+    assert plan is not None
+    assert byte_tokens.text(list(plan)) == b"[" + b",".join([b'{"status":"blocked"}'] * 12) + b"]"
+    assert len(calls) == 2  # the first record (after `[`), then every other one (after `},`)
 
 
 def test_closer_follows_the_model_writing_the_completion(
