@@ -2,14 +2,16 @@
 through the OpenAI server, JSON Schema vs unconstrained, on one server and one engine.
 
 One fresh `LLMEngine` behind an `AsyncEngine` and `build_app`, uvicorn on a free loopback port in a thread (as
-`structgen bench server` does). Per shape and side, a closed loop as in process: `--concurrency` client workers
-(httpx async) each keep one non-streamed chat completion in flight, sending the next (a new prompt and seed)
-as soon as one returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra
-field) on the other, temperature 1, `max_tokens`. A window opens at a step boundary `WARMUP_STEPS` steps after
-the side's first step and closes `--http-steps` steps later; then the workers are cancelled (their
-connections close and the server aborts what they had in flight) and the engine drains before the other side
-starts. The sides alternate over `--passes` windows each (the first side of a pass alternates too), so drift
-and the engine's warm state hit both alike. A warm-up request per side first compiles the schema.
+`structgen bench server` does). The clients run in a child process (`http_clients`), as a user's would: in
+this process their Python work (and the outputs' checks) would hold the server's GIL, more of it on the side
+whose requests finish sooner. Per shape and side, a closed loop as in process: `--concurrency` client workers
+each keep one non-streamed chat completion in flight, sending the next (a new prompt and seed) as soon as one
+returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra field) on the
+other, temperature 1, `max_tokens`. A window opens at a step boundary `WARMUP_STEPS` steps after the side's
+first step and closes `--http-steps` steps later; then the workers are cancelled (their connections close and
+the server aborts what they had in flight) and the engine drains before the other side starts. The sides
+alternate over `--passes` windows each (the first side of a pass alternates too), so drift and the engine's
+warm state hit both alike. A warm-up request per side first compiles the schema.
 
 Why windows and not a fixed set of requests: with one wave of requests per pass the batch empties as they
 finish, and a side whose outputs vary in length (the JSON one: `nested` stops after ~60 tokens, give or take
@@ -18,40 +20,44 @@ to the end: the ratio measured the tail, and moved by 4-10 points between runs.
 
 Tokens: read off the engine's own counters at the window's two step boundaries, as in process: sampled rows
 (`counters.num_generated_tokens`) and jump-forward tokens (`output_processor.num_forced_tokens`). The outputs
-that finished inside the window are checked with `jsonschema`. Prompts differ between the sides (a tag in the
-prompt) so neither side hits the other's prompts in the shared prefix cache.
+whose responses came back inside the window are checked with `jsonschema` after it. Prompts differ between the
+sides (a tag in the prompt) so neither side hits the other's prompts in the shared prefix cache.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import time
 from typing import Any
 
+from structgen.bench.http_clients import ClientProcess, Workload
 from structgen.bench.structured_engine import make_engine
-from structgen.bench.structured_shapes import SEED, SHAPES, WARMUP_STEPS, Tally, prompt, ratios, validator
+from structgen.bench.structured_shapes import (
+    SEED,
+    SHAPES,
+    WARMUP_STEPS,
+    Tally,
+    prompt_format,
+    ratios,
+    validator,
+)
 
 # The two sides, in the order of even passes.
 SIDES = ("unconstrained", "json")
-_POLL_S = 0.002  # how often the client looks at the engine's step counter
+_POLL_S = 0.002  # how often this process looks at the engine's step counter
 _DRAIN_TIMEOUT_S = 120.0
 
 
-def _body(name: str, shape: str, index: int, *, side: str, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": name,
-        "messages": [{"role": "user", "content": prompt(shape, index, tag=side[0])}],
-        "max_tokens": max_tokens,
-        "temperature": 1.0,
-        "seed": SEED + index,
-    }
+def _workload(name: str, shape: str, first_index: int, *, side: str, max_tokens: int) -> Workload:
+    template: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 1.0}
     if side == "json":
         schema = SHAPES[shape]
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": shape, "schema": schema}}
+        template["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": shape, "schema": schema},
+        }
     else:
-        body["ignore_eos"] = True  # never ends early: the conservative baseline, as in process
-    return body
+        template["ignore_eos"] = True  # never ends early: the conservative baseline, as in process
+    return Workload(template, prompt_format(shape, tag=side[0]), first_index, SEED)
 
 
 class _Counters:
@@ -68,109 +74,74 @@ class _Counters:
             llm.output_processor.num_forced_tokens,
         )
 
-    async def boundary(self, after: int) -> tuple[float, tuple[int, int, int]]:
+    def boundary(self, after: int, clients: ClientProcess) -> tuple[float, tuple[int, int, int]]:
         """The time and counts at the first step boundary once `after` steps have run (polled)."""
         while True:
             now = self.read()
             if now[0] >= after:
-                return time.perf_counter(), now
-            await asyncio.sleep(_POLL_S)
+                return time.monotonic(), now
+            clients.raise_if_failed()
+            time.sleep(_POLL_S)
 
-    async def drained(self) -> None:
-        deadline = time.perf_counter() + _DRAIN_TIMEOUT_S
+    def drained(self) -> None:
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while self.engine.engine.has_unfinished():
-            if time.perf_counter() > deadline:
+            if time.monotonic() > deadline:
                 raise RuntimeError("the server still had requests in flight after its clients left")
-            await asyncio.sleep(0.01)
+            time.sleep(0.01)
 
 
-async def _window(
-    client: Any,
+def _window(
+    clients: ClientProcess,
     counters: _Counters,
-    name: str,
-    shape: str,
-    indices: Any,
+    workload: Workload,
     *,
-    side: str,
-    concurrency: int,
-    max_tokens: int,
     steps: int,
     tally: Tally,
     check: Any | None,
-) -> None:
-    """One side's closed loop for one window of `steps` engine steps; adds to `tally`."""
-    counting = False
-
-    async def worker() -> None:
-        while True:
-            body = _body(name, shape, next(indices), side=side, max_tokens=max_tokens)
-            response = await client.post("/v1/chat/completions", json=body)
-            response.raise_for_status()
-            choice = response.json()["choices"][0]
-            if counting:
-                tally.count(choice["message"].get("content") or "", choice["finish_reason"], check)
-
+) -> tuple[int, float]:
+    """One side's closed loop for one window of `steps` engine steps; adds to `tally`; the next index and
+    the window's sampled tokens/s."""
     first = counters.read()[0]
-    workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    clients.run(workload)
     try:
-        start_s, start = await _first_of(workers, counters.boundary(first + 1 + WARMUP_STEPS))
-        counting = True
-        end_s, end = await _first_of(workers, counters.boundary(start[0] + steps))
-        counting = False
+        start_s, start = counters.boundary(first + 1 + WARMUP_STEPS, clients)
+        end_s, end = counters.boundary(start[0] + steps, clients)
     finally:
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    await counters.drained()
+        finished, next_index = clients.stop()
+    counters.drained()
+    for out in finished:
+        if start_s <= out.at <= end_s:
+            tally.count(out.text, out.finish_reason, check)
     tally.seconds += end_s - start_s
     tally.steps += end[0] - start[0]
     tally.sampled += end[1] - start[1]
     tally.forced += end[2] - start[2]
+    return next_index, round((end[1] - start[1]) / (end_s - start_s), 1)
 
 
-async def _first_of(workers: list[asyncio.Future[None]], wait: Any) -> Any:
-    """`wait`'s result, unless a worker fails first (an HTTP error): then that error."""
-    waiting = asyncio.ensure_future(wait)
-    done, _ = await asyncio.wait([waiting, *workers], return_when=asyncio.FIRST_COMPLETED)
-    if waiting not in done:
-        waiting.cancel()
-        for task in done:
-            task.result()  # raises the worker's error
-        raise RuntimeError("a client worker stopped")  # (workers only end by raising)
-    return waiting.result()
-
-
-async def _shape(
-    url: str, engine: Any, name: str, shape: str, *, passes: int, **options: Any
-) -> dict[str, Any]:
-    import httpx
-
-    concurrency = options["concurrency"]
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **options: Any) -> dict[str, Any]:
+    concurrency, max_tokens, steps = options["concurrency"], options["max_tokens"], options["steps"]
     tallies = {side: Tally() for side in SIDES}
     checks = {"unconstrained": None, "json": validator(SHAPES[shape])}
-    indices = {side: itertools.count() for side in SIDES}  # a new prompt and seed per request, per side
+    next_index = dict.fromkeys(SIDES, 0)  # a new prompt and seed per request, per side
+    window_rates: dict[str, list[float]] = {side: [] for side in SIDES}
     counters = _Counters(engine)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+    with ClientProcess(url, concurrency=concurrency) as clients:
         for side in SIDES:  # warm-up: the schema compiled, the server's paths exercised once
-            response = await client.post(
-                "/v1/chat/completions", json=_body(name, shape, -1, side=side, max_tokens=8)
-            )
-            response.raise_for_status()
+            clients.once(_workload(name, shape, -1, side=side, max_tokens=8).body(-1))
         for p in range(passes):
             for side in SIDES if p % 2 == 0 else SIDES[::-1]:
-                await _window(
-                    client,
-                    counters,
-                    name,
-                    shape,
-                    indices[side],
-                    side=side,
-                    tally=tallies[side],
-                    check=checks[side],
-                    **options,
+                workload = _workload(name, shape, next_index[side], side=side, max_tokens=max_tokens)
+                next_index[side], rate = _window(
+                    clients, counters, workload, steps=steps, tally=tallies[side], check=checks[side]
                 )
-    return ratios(tallies["unconstrained"], tallies["json"], report=_side)
+                window_rates[side].append(rate)
+    result = ratios(tallies["unconstrained"], tallies["json"], report=_side)
+    # Sampled tokens/s of each window in order, to read the spread between passes.
+    result["unconstrained"]["window_tok_s"] = window_rates["unconstrained"]
+    result["constrained"]["window_tok_s"] = window_rates["json"]
+    return result
 
 
 def _side(tally: Tally) -> dict[str, Any]:
@@ -206,9 +177,6 @@ def run_http(
     options = {"concurrency": concurrency, "max_tokens": max_tokens, "steps": steps}
     try:
         with _Uvicorn(build_app(engine, engine.engine.tokenizer, model_name=name)) as url:
-            return {
-                shape: asyncio.run(_shape(url, engine, name, shape, passes=passes, **options))
-                for shape in shapes
-            }
+            return {shape: _shape(url, engine, name, shape, passes=passes, **options) for shape in shapes}
     finally:
         engine.shutdown()

@@ -131,9 +131,15 @@ SEED = 1000
 WARMUP_STEPS = 5  # after the first prefill; not counted
 
 
+def prompt_format(shape: str, tag: str = "") -> str:
+    """The prompts of a shape, with an `{index}` field (`tag` keeps two sides of one engine apart in its
+    prefix cache)."""
+    return f"Request {tag}{{index}}: {_ASKS.get(shape, 'reply')} as JSON."
+
+
 def prompt(shape: str, index: int, tag: str = "") -> str:
-    """A distinct prompt per request (`tag` keeps two sides of one engine apart in its prefix cache)."""
-    return f"Request {tag}{index}: {_ASKS.get(shape, 'reply')} as JSON."
+    """A distinct prompt per request."""
+    return prompt_format(shape, tag).format(index=index)
 
 
 def validator(schema: dict[str, Any]) -> Any:

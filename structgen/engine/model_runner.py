@@ -20,6 +20,7 @@ from structgen.attention import AttentionMetadata, KVCache, allocate_kv_cache
 from structgen.distributed.step_io import StepInput
 from structgen.engine.block_manager import cdiv
 from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
+from structgen.engine.host_memory import keep_freed_memory
 from structgen.engine.narrow_logits import NARROW_LIMIT, narrow_logits, supports_narrow_logits
 from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
@@ -68,6 +69,8 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         self._pin = device.type == "cuda"
+        if device.type == "cpu":
+            keep_freed_memory()  # the step's large buffers stay mapped between steps (see `host_memory`)
         # Decode steps replay CUDA graphs (CUDA + Triton attention only) unless `enforce_eager`.
         self.enforce_eager = enforce_eager
         self.cuda_graphs: CUDAGraphRunner | None = None

@@ -31,6 +31,8 @@ _SKIPS = 3
 _ESTIMATE_MARGIN = 1 / 3
 # Near the limit the completion is recomputed every token: within `2 * need + _WINDOW` tokens of it.
 _WINDOW = 16
+# `_next_check` of an output out of reach for good: below any `left` (forced tokens can take it under 0).
+_NEVER = -(1 << 62)
 # The first byte of a completion that ends the open string, or number, at once.
 _STRING_ENDS = (b'"',)
 _NUMBER_ENDS = (b",", b"}", b"]", b" ", b"\n", b"\t", b"\r")
@@ -131,7 +133,7 @@ class BudgetCloser:
             if self.need is not None and _beyond(self.need, left):
                 # The grammar's shortest output is already out of reach (a 2,000-character string under a
                 # 32-token budget): nothing to close with, now or later (see below); the budget cuts it.
-                self._next_check, self._fit, self.fell_short = -1, False, False
+                self._next_check, self._fit, self.fell_short = _NEVER, False, False
                 return False
             if self.need is not None:
                 self._next_check = _schedule(left, self.need)
@@ -180,7 +182,7 @@ class BudgetCloser:
             # after any miss cut 2 of 64 SmolLM2 outputs that closed otherwise: a walk from inside multi-byte
             # text can estimate far above one from a later state.)
             if _beyond(need, left):
-                self._next_check = -1
+                self._next_check = _NEVER
             else:
                 self.back_off(left)
                 self._next_check = min(self._next_check, left - (need - left) // 2)

@@ -1,0 +1,176 @@
+"""Closed-loop HTTP clients in a child process, for benchmarks that measure a server running in this one.
+
+`ClientProcess` starts one child (spawned: no torch, no engine state) that, when told to run, keeps
+`concurrency` non-streamed chat completions in flight against the server, each worker sending the next
+request (a new prompt and seed) as soon as its last one returns, until told to stop; then it cancels them
+(their connections close, so the server aborts what they had in flight) and hands back every response that
+finished, stamped with `time.monotonic()` (one clock for all processes on Linux), so the caller can keep the
+ones inside its measured window.
+
+Why a child and not tasks in the server's process: a benchmark that runs its clients beside the server pays
+their Python work (building requests, parsing responses, checking outputs) on the server's GIL, and more of
+it on the side whose requests finish sooner; a user's client runs in another process, usually on another
+machine. The child still shares the machine's cores: its work is counted, just not under the server's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+from dataclasses import dataclass
+from typing import Any
+
+_JOIN_S = 10.0
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """One response that came back: when, its first choice's text and finish reason."""
+
+    at: float  # time.monotonic() when the response was read
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    """What the workers send: `template` (a chat completion body without messages and seed) and a prompt
+    `prompt_format` with an `{index}` field; request i gets index `first_index + i` and seed `seed_base + index`."""
+
+    template: dict[str, Any]
+    prompt_format: str
+    first_index: int
+    seed_base: int
+
+    def body(self, index: int) -> dict[str, Any]:
+        content = self.prompt_format.format(index=index)
+        return {
+            **self.template,
+            "messages": [{"role": "user", "content": content}],
+            "seed": self.seed_base + index,
+        }
+
+
+class ClientError(RuntimeError):
+    """A client request failed (an HTTP error or a broken connection): the benchmark stops."""
+
+
+class ClientProcess:
+    """The child process and the pipe to it (use as a context manager)."""
+
+    def __init__(self, url: str, *, concurrency: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(child, url, concurrency), daemon=True)
+        self._process.start()
+        child.close()
+        self._expect("ready")
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def once(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and wait for its response (warm-up)."""
+        self._conn.send(("once", body))
+        return self._expect("once")
+
+    def run(self, workload: Workload) -> None:
+        """Start the closed loop; returns at once."""
+        self._conn.send(("run", workload))
+
+    def raise_if_failed(self) -> None:
+        """While running the child only ever reports a failure."""
+        if self._conn.poll():
+            self._expect("never")  # raises the child's error
+
+    def stop(self) -> tuple[list[Finished], int]:
+        """Cancel the workers; every response that finished since `run`, and the next unused index."""
+        self._conn.send(("stop",))
+        finished, next_index = self._expect("stopped")
+        return finished, next_index
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("exit",))
+            self._process.join(_JOIN_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(_JOIN_S)
+        self._conn.close()
+
+    def _expect(self, kind: str) -> Any:
+        try:
+            got, payload = self._conn.recv()
+        except EOFError as exc:
+            raise ClientError(f"the client process exited (code {self._process.exitcode})") from exc
+        if got == "error":
+            raise ClientError(payload)
+        if got != kind:
+            raise ClientError(f"the client process answered {got!r}, expected {kind!r}")
+        return payload
+
+
+def _child_main(conn: Any, url: str, concurrency: int) -> None:
+    asyncio.run(_serve(conn, url, concurrency))
+
+
+async def _serve(conn: Any, url: str, concurrency: int) -> None:
+    import time
+
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+    loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    finished: list[Finished] = []
+    workers: list[asyncio.Task[None]] = []
+    next_index = 0
+
+    async def post(body: dict[str, Any]) -> dict[str, Any]:
+        response = await client.post("/v1/chat/completions", json=body)
+        if response.status_code >= 400:
+            raise ClientError(f"HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def worker(workload: Workload) -> None:
+        nonlocal next_index
+        try:
+            while True:
+                index, next_index = next_index, next_index + 1
+                choice = (await post(workload.body(index)))["choices"][0]
+                text = choice["message"].get("content") or ""
+                finished.append(Finished(time.monotonic(), text, choice["finish_reason"]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # reported to the parent, which stops the benchmark
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        conn.send(("ready", None))
+        while True:
+            message = await inbox.get()
+            kind = message[0]
+            if kind == "run":
+                workload = message[1]
+                next_index = workload.first_index
+                workers = [asyncio.ensure_future(worker(workload)) for _ in range(concurrency)]
+            elif kind == "stop":
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                conn.send(("stopped", (finished, next_index)))
+                finished, workers = [], []
+            elif kind == "once":
+                try:
+                    conn.send(("once", await post(message[1])))
+                except Exception as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            else:  # "exit"
+                break
+    loop.remove_reader(conn.fileno())
