@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +121,6 @@ def _child_main(conn: Any, url: str, concurrency: int) -> None:
 
 
 async def _serve(conn: Any, url: str, concurrency: int) -> None:
-    import time
-
     import httpx
 
     loop = asyncio.get_running_loop()
@@ -138,6 +137,9 @@ async def _serve(conn: Any, url: str, concurrency: int) -> None:
             raise ClientError(f"HTTP {response.status_code}: {response.text[:500]}")
         return response.json()
 
+    def report(exc: Exception) -> None:  # to the parent, which stops the benchmark
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
     async def worker(workload: Workload) -> None:
         nonlocal next_index
         try:
@@ -146,10 +148,8 @@ async def _serve(conn: Any, url: str, concurrency: int) -> None:
                 choice = (await post(workload.body(index)))["choices"][0]
                 text = choice["message"].get("content") or ""
                 finished.append(Finished(time.monotonic(), text, choice["finish_reason"]))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # reported to the parent, which stops the benchmark
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # (cancellation is not an Exception: it ends the worker quietly)
+            report(exc)
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         conn.send(("ready", None))
@@ -170,7 +170,7 @@ async def _serve(conn: Any, url: str, concurrency: int) -> None:
                 try:
                     conn.send(("once", await post(message[1])))
                 except Exception as exc:
-                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                    report(exc)
             else:  # "exit"
                 break
     loop.remove_reader(conn.fileno())

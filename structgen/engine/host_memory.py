@@ -18,9 +18,9 @@ Other C libraries (musl, macOS) are left alone; `STRUCTGEN_MALLOC_TUNING=0` leav
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
-import threading
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +31,12 @@ MMAP_THRESHOLD = 32 << 20  # glibc's upper limit for it on 64-bit systems
 TRIM_THRESHOLD = 1 << 30
 _ENV = "STRUCTGEN_MALLOC_TUNING"
 
-_lock = threading.Lock()
-_applied: list[bool] = []  # [result] once tried: process-wide, so at most once
 
-
+@functools.cache  # process-wide: applied at most once, later calls return the first answer
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds for this process (see the module); True if they are set. Safe to call
     again (a no-op then) and where glibc is absent (False)."""
-    with _lock:
-        if not _applied:
-            _applied.append(_apply())
-        return _applied[0]
+    return _apply()
 
 
 def _apply() -> bool:
