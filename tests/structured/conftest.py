@@ -11,6 +11,7 @@ import pytest
 
 from structgen.models.registry import resolve_model
 from structgen.structured import StructuredBackend, TokenizerInfo, create_backend
+from structgen.structured.closing import ByteTokens
 from structgen.tokenizer import Tokenizer
 
 BACKENDS = ("llguidance", "xgrammar", "outlines")
@@ -50,3 +51,9 @@ class _LazyBackends(dict[str, Any]):
     def __missing__(self, name: str) -> StructuredBackend:
         backend = self[name] = create_backend(name, self.info)
         return backend
+
+
+@pytest.fixture(scope="session")
+def byte_tokens(info: TokenizerInfo) -> ByteTokens:
+    """The cl100k vocabulary's single-byte tokens, as the closing walk steps with them."""
+    return ByteTokens.of(info)

@@ -1,12 +1,14 @@
-"""Walking token sequences through grammars while checking each step's mask (shared by the tests)."""
+"""Compiling JSON Schemas and walking token sequences through grammars while checking each step's mask (shared
+by the tests)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from structgen.structured import Grammar, allocate_token_bitmask
+from structgen.structured import Grammar, StructuredBackend, StructuredOutputsParams, allocate_token_bitmask
 from structgen.structured.bitmask import unpack_bitmask
 
 
@@ -35,3 +37,10 @@ def accepts_text(grammar: Grammar, token_ids: Sequence[int], eos: int) -> bool:
     """Whether a copy of `grammar` accepts the whole sequence and then EOS."""
     g = grammar.clone()
     return g.accept_tokens(token_ids) and g.accept_tokens([eos])
+
+
+def compile_schema(backend: StructuredBackend, schema: dict[str, Any]) -> Grammar:
+    """`schema`'s grammar on `backend` (`{"type": "object"}` as `json_object`)."""
+    params = StructuredOutputsParams(json=schema) if schema != {"type": "object"} else None
+    spec = (params or StructuredOutputsParams(json_object=True)).to_spec()
+    return backend.compile(spec)

@@ -1,18 +1,18 @@
 """The closing walk: from any point of a valid JSON output, the shortest completion it finds is accepted by the
-grammar and makes an output that validates, on every backend; the budget closer takes its fallback exactly when
-a token would leave too little room."""
+grammar and makes an output that validates, on every backend (the budget closer that uses it:
+`test_budget_closer.py`)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import jsonschema
 import pytest
+from structured_helpers import compile_schema
 
-from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
-from structgen.structured.budget_closer import BudgetCloser
+from structgen.structured import StructuredBackend, StructuredOutputsParams
 from structgen.structured.closing import ByteTokens, can_end, shortest_completion
 from structgen.structured.finishing import pattern_hints
 from structgen.structured.json_scan import JsonScanner
@@ -69,17 +69,6 @@ MATRIX_OUTPUT = {"rows": [[1, 22], [333]], "ok": False, "nothing": None, "either
 CASES = [(PERSON, PERSON_OUTPUT), (MATRIX, MATRIX_OUTPUT), ({"type": "object"}, {"a": [1, {"b": "c"}]})]
 
 
-@pytest.fixture(scope="module")
-def byte_tokens(info: TokenizerInfo) -> ByteTokens:
-    return ByteTokens.of(info)
-
-
-def _compile(backend: StructuredBackend, schema: dict[str, Any]) -> Any:
-    params = StructuredOutputsParams(json=schema) if schema != {"type": "object"} else None
-    spec = (params or StructuredOutputsParams(json_object=True)).to_spec()
-    return backend.compile(spec)
-
-
 @pytest.mark.parametrize("backend_name", ["llguidance", "xgrammar"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_every_prefix_closes_into_a_valid_output(
@@ -91,7 +80,7 @@ def test_every_prefix_closes_into_a_valid_output(
     case: int,
 ) -> None:
     schema, instance = CASES[case]
-    grammar = _compile(backends[backend_name], schema)
+    grammar = compile_schema(backends[backend_name], schema)
     ids = encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False))
     # xgrammar's format grammars are looser than the formats (2023-02-31 passes): the engine's validation
     # flags such outputs; here its completions are held to everything else.
@@ -118,7 +107,7 @@ def test_completion_is_short(
 ) -> None:
     """Closing an open string of an object with nothing else required costs a couple of tokens, not more."""
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}}
-    grammar = _compile(backends["llguidance"], schema)
+    grammar = compile_schema(backends["llguidance"], schema)
     prefix = '{"a":["one","two","thr'
     assert grammar.accept_tokens(encode(prefix))
     scanner = JsonScanner()
@@ -131,7 +120,7 @@ def test_completion_is_short(
 def test_walk_leaves_the_grammar_as_it_was(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
-    grammar = _compile(backends["llguidance"], PERSON)
+    grammar = compile_schema(backends["llguidance"], PERSON)
     prefix = encode('{"name":"Jo')
     assert grammar.accept_tokens(prefix)
     scanner = JsonScanner()
@@ -139,243 +128,6 @@ def test_walk_leaves_the_grammar_as_it_was(
     assert shortest_completion(grammar, byte_tokens, scanner) is not None
     assert grammar.validate_tokens(encode('hn","age":40')) == len(encode('hn","age":40'))
     assert not can_end(grammar, byte_tokens.eos)
-
-
-class Stepper:
-    """A string member's grammar, its scanner and a closer, fed as the engine feeds them."""
-
-    SCHEMA: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {"s": {"type": "string"}},
-        "required": ["s"],
-    }
-
-    def __init__(self, backend: StructuredBackend, byte_tokens: ByteTokens):
-        self.grammar = _compile(backend, self.SCHEMA)
-        self.tokens = byte_tokens
-        self.closer = BudgetCloser(byte_tokens)
-        self.scanner = JsonScanner()
-
-    def feed(self, ids: list[int]) -> list[int]:
-        assert self.grammar.accept_tokens(ids)
-        self.scanner.feed(self.tokens.text(ids))
-        return ids
-
-    def step(self, ids: list[int], left: int) -> bool:
-        return self.closer.step(self.grammar, self.scanner, left, self.feed(ids), same_value=False)
-
-
-def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
-    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
-) -> None:
-    run = Stepper(backends["llguidance"], byte_tokens)
-    run.feed(encode('{"s":"'))
-    # Plenty of room: the step passes and the completion ('"}') is known.
-    assert run.step(encode("hello"), 10)
-    plan = run.closer.plan
-    assert plan is not None and byte_tokens.text(list(plan)) == b'"}'
-    # A token after which the completion no longer fits: the step fails and the fallback is the one above.
-    assert not run.step(encode(" world"), len(plan) - 1)
-    assert run.closer.fallback == plan
-
-
-def test_closer_looks_rarely_once_the_output_is_out_of_reach(
-    backends: dict[str, StructuredBackend],
-    encode: Callable[[str], list[int]],
-    byte_tokens: ByteTokens,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An output whose shortest end is past the budget (40 items at least, 60 tokens left) cannot come back
-    within it, so the closer neither walks at every token nor asks for a fallback it cannot have."""
-    from structgen.structured import closing
-
-    items = {
-        "type": "array",
-        "minItems": 40,
-        "items": {
-            "type": "object",
-            "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
-            "required": ["id", "ok"],
-        },
-    }
-    run = Stepper(backends["llguidance"], byte_tokens)
-    run.grammar = _compile(backends["llguidance"], items)
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
-    left, failures = 60, []
-    for i in range(40):
-        ids = encode(("[" if i == 0 else ",") + f'{{"id":{i},"ok":true}}')
-        left -= len(ids)
-        if left < 1:
-            break
-        if not run.step(ids, left):
-            failures.append((i, run.closer.fell_short))
-    # The first look finds it out of reach (the only failure that could have had a fallback from before it);
-    # later looks are few and ask for none.
-    assert failures[0] == (0, True) and all(not fell for _, fell in failures[1:])
-    assert len(walks) <= 3
-    # Given up for good, it stays so when forced tokens take the output to and past its budget (the tokens
-    # left reach 0 and below: a look there walked the whole completion again, ~2 ms for 20 records).
-    walked = len(walks)
-    for left in (0, -1, -3):
-        run.step(encode(',{"id":1,"ok":true}'), left)
-    assert len(walks) == walked
-
-
-def test_an_output_out_of_reach_from_the_start_is_never_walked(
-    backends: dict[str, StructuredBackend],
-    encode: Callable[[str], list[int]],
-    byte_tokens: ByteTokens,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A string of at least 2,000 characters under a 32-token budget: its shortest output (known from the
-    grammar's start) cannot fit, so no token of it costs a walk, and no fallback is asked for."""
-    from structgen.structured import closing
-
-    run = Stepper(backends["llguidance"], byte_tokens)
-    long_string = {
-        "type": "object",
-        "properties": {"s": {"type": "string", "minLength": 2000}},
-        "required": ["s"],
-    }
-    run.grammar = _compile(backends["llguidance"], long_string)
-    need = closing.initial_need(
-        byte_tokens, ("test-long-string",), lambda: _compile(backends["llguidance"], long_string)
-    )
-    assert need is not None and need > 100
-    run.closer.expect(
-        closing.initial_completion(
-            byte_tokens, ("test-long-string",), lambda: _compile(backends["llguidance"], long_string)
-        )
-    )
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
-    left = 32
-    for piece in ('{"s":"', "abc", "def", "ghi", "jkl"):
-        ids = encode(piece)
-        left -= len(ids)
-        run.step(ids, left)
-        assert not run.closer.fell_short
-    assert walks == []
-
-
-def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
-    backends: dict[str, StructuredBackend],
-    encode: Callable[[str], list[int]],
-    byte_tokens: ByteTokens,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A model writing another enum value or number than the completion's, then forced through the same keys,
-    keeps the rest of the completion: checked by the grammar, no new walk, and it still ends the output."""
-    from structgen.structured import closing
-
-    tasks = {
-        "type": "array",
-        "minItems": 6,
-        "items": {
-            "type": "object",
-            "properties": {
-                "status": {"enum": ["todo", "blocked", "done"]},
-                "priority": {"type": "integer", "minimum": 1, "maximum": 5},
-            },
-            "required": ["status", "priority"],
-            "additionalProperties": False,
-        },
-    }
-    run = Stepper(backends["llguidance"], byte_tokens)
-    run.grammar = _compile(backends["llguidance"], tasks)
-    left = 90
-    assert run.step(encode('[{"status":"'), left)
-    plan = run.closer.plan
-    assert plan is not None and byte_tokens.text(list(plan)).startswith(b'blocked","priority":1}')
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
-    for piece in ('done","priority":', "4", '},{"status":"', 'todo","priority":'):
-        ids = encode(piece)
-        left -= len(ids)
-        assert run.step(ids, left)
-        rest = run.closer.plan
-        assert rest is not None and len(rest) <= left
-        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
-    assert walks == []
-
-
-_SCORES = {
-    "type": "array",
-    "minItems": 4,
-    "items": {
-        "type": "object",
-        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["score"],
-        "additionalProperties": False,
-    },
-}
-
-
-def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from structgen.structured import closing
-
-    walks: list[int] = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
-    return walks
-
-
-def test_digits_written_in_a_number_keep_its_completion(
-    backends: dict[str, StructuredBackend],
-    encode: Callable[[str], list[int]],
-    byte_tokens: ByteTokens,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Digits added to the number the completion ends at once keep the completion (no walk), and where the
-    number cannot end yet (`0.`) a `0` before it; each result is checked to end the output."""
-    run = Stepper(backends["llguidance"], byte_tokens)
-    run.grammar = _compile(backends["llguidance"], _SCORES)
-    left = 30  # near the budget: the closer looks at every token
-    assert run.step(encode('[{"score":0'), left)
-    plan = run.closer.plan
-    assert plan is not None and byte_tokens.text(list(plan)).startswith(b"}")
-    walks = _count_walks(monkeypatch)
-    for piece, starts in ((".", b"0}"), ("8", b"}"), ("1", b"}"), ("25", b"}")):
-        ids = encode(piece)
-        left -= len(ids)
-        assert run.closer.step(run.grammar, run.scanner, left, run.feed(ids), same_value=True)
-        rest = run.closer.plan
-        assert rest is not None and byte_tokens.text(list(rest)).startswith(starts), (piece, rest)
-        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
-        assert len(rest) == len(plan) + (starts == b"0}")
-    assert walks == []
-
-
-def test_the_first_look_resumes_the_grammars_start_completion(
-    backends: dict[str, StructuredBackend],
-    encode: Callable[[str], list[int]],
-    byte_tokens: ByteTokens,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A request's first look near its budget takes the cached completion from the grammar's start past what
-    the output wrote (its forced head ending inside one of the completion's tokens too), without a walk."""
-    from structgen.structured import closing
-
-    def new_grammar() -> Any:
-        return _compile(backends["llguidance"], _SCORES)
-
-    start = closing.initial_completion(byte_tokens, ("test-scores-start",), new_grammar)
-    assert start is not None
-    for head in ('[{"score":', '[{"score'):
-        run = Stepper(backends["llguidance"], byte_tokens)
-        run.grammar = new_grammar()
-        run.closer.expect(start)
-        walks = _count_walks(monkeypatch)
-        ids = encode(head)
-        assert run.step(ids, len(start))  # the budget near from the start: the first step looks
-        rest = run.closer.plan
-        assert rest is not None and walks == [], head
-        assert byte_tokens.text(list(rest)) == byte_tokens.text(list(start))[len(head.encode()) :]
-        assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
 
 
 def test_a_walk_through_repeated_records_chooses_as_before(
@@ -396,7 +148,7 @@ def test_a_walk_through_repeated_records_chooses_as_before(
             "additionalProperties": False,
         },
     }
-    grammar = _compile(backends["llguidance"], schema)
+    grammar = compile_schema(backends["llguidance"], schema)
     calls = []
     original = closing._string_filler
     try:
@@ -409,22 +161,11 @@ def test_a_walk_through_repeated_records_chooses_as_before(
     assert len(calls) == 2  # the first record (after `[`), then every other one (after `},`)
 
 
-def test_closer_follows_the_model_writing_the_completion(
-    backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
-) -> None:
-    run = Stepper(backends["llguidance"], byte_tokens)
-    assert run.step(encode('{"s":"x'), 3)
-    plan = run.closer.plan
-    assert plan is not None
-    assert run.step([plan[0]], 2)
-    assert run.closer.plan == plan[1:]
-
-
 def test_forced_bytes_are_the_jump_forward_text(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
     """llguidance reports forced bytes directly (the walk's fast path); they spell what jump-forward forces."""
-    grammar = _compile(backends["llguidance"], PERSON)
+    grammar = compile_schema(backends["llguidance"], PERSON)
     text = json.dumps(PERSON_OUTPUT, separators=(",", ":"), ensure_ascii=False)
     ids = encode(text)
     seen = 0

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from structgen.structured import StructuredBackend, StructuredOutputsParams, TokenizerInfo
+from structgen.structured import StructuredBackend, StructuredOutputsParams
 from structgen.structured.closing import ByteTokens, can_end
 from structgen.structured.finishing import Finisher
 from structgen.tools import ToolCallPlan, parse_tool_calls
@@ -25,11 +25,6 @@ MEETING = {
     "required": ["title", "attendees", "budget"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def byte_tokens(info: TokenizerInfo) -> ByteTokens:
-    return ByteTokens.of(info)
 
 
 class Run:
