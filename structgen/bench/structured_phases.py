@@ -40,6 +40,7 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("sampler rest", "structgen.engine.sampler:Sampler.__call__"),
     ("pick", "structgen.engine.sampler:Sampler._pick"),
     ("reject + redraw", "structgen.engine.sampler:Sampler._redraw"),
+    ("reject + redraw", "structgen.engine.redraw:Draws.under_mask"),
     ("reject + redraw", "structgen.engine.sampler:Sampler._split_sparse"),
     ("reject + redraw", "structgen.engine.sampler:Sampler._pick_among_allowed"),
     ("accept", "structgen.structured.finishing:Finisher._accept"),

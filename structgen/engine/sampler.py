@@ -19,7 +19,7 @@ stay impossible. A row with nothing possible (or NaN / +inf logits) raises `Samp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,15 +30,11 @@ from structgen.engine.fast_picks import allowed_token_ids, pick_among_rows, row_
 from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.logprobs import raw_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
+from structgen.engine.redraw import Draws
 from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
 from structgen.errors import StructgenError
 from structgen.sampling_params import SamplingParams
-
-# A lazily masked sampled row whose pick the mask rejects draws again from its unmasked distribution up to this
-# many times before it is masked: at most a few cheap searches where the mask forbids little (a random token in
-# a JSON string), and a quick fall-back to the mask at structural points where it allows only a few tokens.
-_REDRAWS = 3
 
 
 @dataclass(slots=True)
@@ -52,14 +48,6 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # Banned while len(output_token_ids) < params.min_tokens, unless params.ignore_eos.
     eos_token_ids: frozenset[int] = frozenset()
-
-
-@dataclass(slots=True)
-class _Draws:
-    """The CDFs of a pick's sampled rows, kept so that a row the mask rejects can draw again cheaply."""
-
-    cdf: InverseCdf
-    position: dict[int, int]  # batch row -> row of `cdf`
 
 
 @dataclass(slots=True)
@@ -148,6 +136,9 @@ class Sampler:
             rejected = self._redraw(lazy, rows, token_ids, mask, draws)  # type: ignore[arg-type]
             dense, sparse = self._split_sparse(x, rejected, mask)  # type: ignore[arg-type]
             dead += self._pick_among_allowed(x, sparse, rows, token_ids, ok)
+            if dense and draws is not None:  # from the kept probabilities; the rest masked and picked below
+                uniforms = self._row_uniforms(rows, x.device)
+                dense = draws.under_mask(dense, token_ids, ok, mask, uniforms)  # type: ignore[arg-type]
         if mask is not None:
             # Next step's hint: rows rejected now, and hinted rows still at a structural point.
             mask.rejected = sorted(rejected + list(skip))
@@ -174,13 +165,13 @@ class Sampler:
         ok: Tensor,
         *,
         owned: bool,
-    ) -> _Draws | None:
+    ) -> Draws | None:
         """Pick the tokens of rows `indices` of `x` into `token_ids` (and whether each row had any). Returns
         the sampled rows' CDFs, for `_redraw`."""
         greedy = [i for i in indices if rows[i].params.greedy]
         sampled = [i for i in indices if not rows[i].params.greedy]
         if greedy:
-            part = x if len(greedy) == x.shape[0] else x[greedy]
+            part = x if len(greedy) == x.shape[0] else x.index_select(0, _index(greedy, x.device))
             best = row_argmax(part)
             token_ids[greedy] = best
             ok[greedy] = torch.isfinite(part.gather(1, best.unsqueeze(1)).squeeze(1))
@@ -189,7 +180,7 @@ class Sampler:
         cdf = self._sample(x, sampled, rows, owned=owned)
         token_ids[sampled] = cdf.draw(self._uniforms([rows[i] for i in sampled], x.device))
         ok[sampled] = cdf.ok
-        return _Draws(cdf, {row: j for j, row in enumerate(sampled)})
+        return Draws(cdf, {row: j for j, row in enumerate(sampled)})
 
     def _redraw(
         self,
@@ -197,26 +188,22 @@ class Sampler:
         rows: Sequence[SamplingRow],
         token_ids: Tensor,
         mask: TokenMask,
-        draws: _Draws | None,
+        draws: Draws | None,
     ) -> list[int]:
-        """The lazy rows whose pick the mask rejects, after the sampled ones drew again (up to `_REDRAWS`
-        times) from their unmasked distribution. Drawing from p until the token is in the allowed set A is
-        rejection sampling: a row accepted on any draw got a token of p restricted to A, exactly. The rows
-        returned (greedy ones, and sampled ones still rejected) are for the caller to mask and pick again."""
+        """The lazy rows whose pick the mask rejects, after the sampled ones drew again from their unmasked
+        distribution (`Draws.again`). The rows returned (greedy ones, and sampled ones still rejected) are
+        for the caller to draw under the mask."""
         allowed = mask.allows(lazy, token_ids[lazy])
         pending = [i for i, good in zip(lazy, allowed, strict=True) if not good]
-        if draws is None:
+        if draws is None or not pending:
             return pending
-        for _ in range(_REDRAWS):
-            again = [i for i in pending if i in draws.position]
-            if not again:
-                break
-            index = torch.tensor([draws.position[i] for i in again], device=token_ids.device)
-            picks = draws.cdf.draw(self._uniforms([rows[i] for i in again], token_ids.device), index)
-            token_ids[again] = picks
-            still = {i for i, good in zip(again, mask.allows(again, picks), strict=True) if not good}
-            pending = [i for i in pending if i not in draws.position or i in still]
-        return pending
+        return draws.again(pending, token_ids, mask, self._row_uniforms(rows, token_ids.device))
+
+    def _row_uniforms(
+        self, rows: Sequence[SamplingRow], device: torch.device
+    ) -> Callable[[list[int]], Tensor]:
+        """`_uniforms` for batch rows given by index."""
+        return lambda indices: self._uniforms([rows[i] for i in indices], device)
 
     def _split_sparse(
         self, x: Tensor, indices: list[int], mask: TokenMask
@@ -260,20 +247,16 @@ class Sampler:
         which = torch.repeat_interleave(torch.arange(len(sparse)), counts)
         starts = torch.cumsum(counts, 0) - counts
         values = torch.full((len(sparse), max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype)
-        values[which, torch.arange(len(ids)) - starts[which]] = x[
-            torch.tensor([i for i, _ in sparse])[which], ids
-        ]
+        batch_rows = torch.tensor([i for i, _ in sparse])
+        values[which, torch.arange(len(ids)) - starts[which]] = x[batch_rows[which], ids]
         scale = [rows[i].params.temperature if j in drawn else 1.0 for j, (i, _) in enumerate(sparse)]
         if any(t != 1.0 for t in scale):
             values /= torch.tensor(scale, dtype=values.dtype).unsqueeze(1)
         index, possible = pick_among_rows(values, uniforms)
-        dead = []
-        for j, ((i, _), good) in enumerate(zip(sparse, possible.tolist(), strict=True)):
-            token_ids[i] = int(ids[starts[j] + index[j]]) if good else -1
-            ok[i] = good
-            if not good:
-                dead.append(i)
-        return dead
+        chosen = ids[(starts + index).clamp_max(len(ids) - 1)] if len(ids) else index  # (nothing allowed)
+        token_ids[batch_rows] = torch.where(possible, chosen, -1)
+        ok[batch_rows] = possible
+        return [i for (i, _), good in zip(sparse, possible.tolist(), strict=True) if not good]
 
     def _sample(
         self, x: Tensor, indices: list[int], rows: Sequence[SamplingRow], *, owned: bool
@@ -283,8 +266,8 @@ class Sampler:
         params = [rows[i].params for i in indices]
         if len(indices) == x.shape[0]:
             part = x
-        else:
-            part, owned = x[indices], True
+        else:  # (index_select copies whole rows; `x[indices]` goes element by element, ~5x slower on a CPU)
+            part, owned = x.index_select(0, _index(indices, x.device)), True
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):
             scale = torch.tensor(temperatures, dtype=part.dtype, device=part.device).unsqueeze(1)
@@ -341,6 +324,10 @@ class Sampler:
                     f"row {i}: its generator is on {row.generator.device}, the logits on {logits.device}"
                 )
         return logits if logits.dtype == torch.float32 else logits.float()
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -3,7 +3,7 @@ means token `i` is allowed), covering the model's padded vocabulary. This is the
 xgrammar and outlines-core all write, so backends fill rows in place without conversion.
 
 `apply_token_bitmask_` masks CPU logits with a byte-table lookup and CUDA logits with the Triton kernel
-`structgen.kernels.apply_token_bitmask`.
+`structgen.kernels.apply_token_bitmask`; `zero_disallowed_` does the same to probabilities (0 instead of -inf).
 """
 
 from __future__ import annotations
@@ -121,6 +121,44 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Iterable[int],
     for row in rows:
         np.take(_BYTE_BIAS, packed[row], axis=0, out=expanded)
         logits[row, :covered].add_(bias)
+
+
+# Byte value -> the 8 factors of its bits (1: allowed, 0: forbidden), bit 0 first.
+_BYTE_KEEP = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(1.0), np.float32(0.0)).astype(
+    np.float32
+)
+
+
+def zero_disallowed_(probs: torch.Tensor, bitmask: torch.Tensor, mask_rows: Sequence[int]) -> None:
+    """Set to 0, in place, every probability whose bit is 0: `probs[j]` (float32) under `bitmask[mask_rows[j]]`.
+
+    The multiplicative twin of `apply_token_bitmask_`, for unnormalized probabilities already computed (a row
+    drawn again under its mask, `structgen.engine.redraw`). Columns beyond the bitmask's tokens are zeroed.
+    """
+    if probs.dim() != 2 or probs.shape[0] != len(mask_rows) or probs.dtype != torch.float32:
+        raise ValueError(
+            f"probs must be float32 [{len(mask_rows)}, vocab], got {probs.dtype} {list(probs.shape)}"
+        )
+    covered = min(probs.shape[1], bitmask.shape[1] * 32)
+    if probs.device.type == "cpu" and bitmask.device.type == "cpu":
+        packed = bitmask.contiguous().numpy().view(np.uint8)
+        expanded = np.empty((packed.shape[1], 8), dtype=np.float32)
+        keep = torch.from_numpy(expanded.reshape(-1)[:covered])
+        for j, row in enumerate(mask_rows):
+            np.take(_BYTE_KEEP, packed[row], axis=0, out=expanded)
+            probs[j, :covered].mul_(keep)
+    else:
+        _zero_torch(probs, bitmask, mask_rows, covered)
+    if covered < probs.shape[1]:
+        probs[:, covered:] = 0.0
+
+
+def _zero_torch(probs: torch.Tensor, bitmask: torch.Tensor, mask_rows: Sequence[int], covered: int) -> None:
+    # Off the CPU: unpack with shifts, then one multiply.
+    index = torch.as_tensor(list(mask_rows), dtype=torch.long, device=bitmask.device)
+    masks = bitmask.index_select(0, index).to(probs.device, non_blocking=True)
+    bits = (masks.unsqueeze(-1) >> _shifts(masks.device)) & 1
+    probs[:, :covered].mul_(bits.reshape(masks.shape[0], -1)[:, :covered].to(probs.dtype))
 
 
 def _use_kernel(logits: torch.Tensor) -> bool:

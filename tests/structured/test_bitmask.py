@@ -1,4 +1,4 @@
-"""The batch bitmask layout and the pure-torch `apply_token_bitmask_`, against a per-token reference."""
+"""The batch bitmask layout, `apply_token_bitmask_` and `zero_disallowed_`, against a per-token reference."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import torch
 from structgen.structured.bitmask import (
     _apply_cpu,
     _apply_torch,
+    _zero_torch,
     allocate_token_bitmask,
     allow_tokens,
     apply_token_bitmask_,
     bitmask_width,
     fill_allow_only,
     unpack_bitmask,
+    zero_disallowed_,
 )
 
 
@@ -103,3 +105,21 @@ def test_cpu_and_device_paths_agree() -> None:
     apply_token_bitmask_(full, mask)
     apply_token_bitmask_(bf16, mask)  # half-precision logits are masked the same way
     assert torch.equal(torch.isinf(bf16), torch.isinf(full))
+
+
+@pytest.mark.parametrize("vocab", [100, 128])
+def test_zero_disallowed_zeroes_what_apply_masks_on_both_paths(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.randint(-(2**31), 2**31 - 1, (6, 4), dtype=torch.int32, generator=gen)  # 128 tokens of mask
+    probs = torch.rand(3, vocab, generator=gen) + 0.5
+    rows = [4, 0, 4]  # probs row j goes with mask row rows[j], repeats allowed
+    reference = probs.log()
+    apply_token_bitmask_(reference, mask.index_select(0, torch.tensor(rows)))
+    cpu, other = probs.clone(), probs.clone()
+    zero_disallowed_(cpu, mask, rows)
+    _zero_torch(other, mask, rows, covered=min(vocab, 128))
+    assert torch.equal(cpu, other)
+    assert torch.equal(cpu == 0, torch.isinf(reference))  # zero exactly where apply sets -inf
+    assert torch.equal(cpu[cpu != 0], probs[cpu != 0])  # allowed probabilities untouched
+    with pytest.raises(ValueError, match="float32"):
+        zero_disallowed_(probs.double(), mask, rows)
