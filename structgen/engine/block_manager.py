@@ -6,7 +6,11 @@ finishes, is aborted or preempted.
 
 Prefix caching: once a block is full and its KV computed, it is registered under a chained hash
 (sha256 of the parent block's hash + this block's token ids; the root hash covers the model id), so a later
-sequence with the same tokens up to that point can reuse it instead of recomputing. A released cached block
+sequence with the same tokens up to that point can reuse it instead of recomputing. Past its last whole
+block, a sequence also reuses the leading tokens it shares with a registered block under the same parent (the
+same system prompt, then a different question): it takes that block for those tokens and copies it before its
+first write into it, as a fork does (`CachedPrefix.partial_tokens`; vLLM reuses whole blocks only, SGLang's
+radix tree any prefix). A released cached block
 keeps its contents and registration and goes to an LRU list; it is only overwritten when the pool has no
 never-cached block left (eviction). Blocks with references are never evicted, and a block another sequence
 also references is never written: a sequence about to write into a shared, partially filled block (a fork of
@@ -19,6 +23,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import islice
 
 from structgen.engine.sequence import Sequence
 
@@ -27,12 +32,37 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# How many registered blocks under one parent (and with the same first token) a sequence compares its next
+# tokens with, the most recently registered first: many requests share a system prompt and then differ.
+PARTIAL_CANDIDATES = 16
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None  # set while registered in the prefix cache
     token_ids: tuple[int, ...] = ()  # what a registered block holds, to verify a hash hit
+    parent: bytes = b""  # the hash its chain continues (a registered block's), for partial reuse
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """What a waiting sequence can reuse: whole cached blocks, the last of them possibly only for its first
+    `partial_tokens` tokens (0: every block whole)."""
+
+    blocks: list[int]
+    partial_tokens: int = 0
+
+    def num_tokens(self, block_size: int) -> int:
+        if not self.partial_tokens:
+            return len(self.blocks) * block_size
+        return (len(self.blocks) - 1) * block_size + self.partial_tokens
 
 
 class BlockManager:
@@ -55,6 +85,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref count 0 and not registered
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, registered; oldest first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # (parent hash, first token) -> registered block ids under it, oldest first: partial reuse's candidates.
+        self._children: dict[tuple[bytes, int], OrderedDict[int, None]] = {}
         # Anything that changes the KV for the same tokens goes into the root hash: the model, and a sequence's
         # LoRA adapter (`_root_of`).
         self._root_hash = hashlib.sha256(f"structgen-kv:{cache_salt}".encode()).digest()
@@ -103,13 +135,14 @@ class BlockManager:
             return self._root_hash
         return hashlib.sha256(self._root_hash + seq.lora.cache_key).digest()
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """The longest chain of cached blocks matching `seq`'s leading full blocks.
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest chain of cached blocks matching `seq`'s leading full blocks, then the registered block
+        under the same parent that shares the most of `seq`'s next tokens (if any does).
 
         Never covers the last token: it must run through the model so there are logits to sample from.
         """
         if not self.enable_prefix_caching:
-            return []
+            return CachedPrefix([])
         bs = self.block_size
         hits: list[int] = []
         for i in range((len(seq.token_ids) - 1) // bs):
@@ -120,7 +153,28 @@ class BlockManager:
             if self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
-        return hits
+        block_id, shared = self._partial_match(seq, len(hits))
+        return CachedPrefix([*hits, block_id], shared) if shared else CachedPrefix(hits)
+
+    def _partial_match(self, seq: Sequence, index: int) -> tuple[int, int]:
+        """(block id, tokens shared) of the registered block continuing `seq`'s first `index` blocks that
+        shares the most of `seq`'s next tokens (at most all but its last token); (-1, 0) if none."""
+        bs = self.block_size
+        start = index * bs
+        wanted = seq.token_ids[start : min(start + bs, len(seq.token_ids) - 1)]
+        if not wanted:
+            return -1, 0
+        parent = self._block_hash(seq, index - 1) if index else self._root_of(seq)
+        candidates = self._children.get((parent, wanted[0]), {})
+        best, best_shared = -1, 0
+        for block_id in islice(reversed(candidates), PARTIAL_CANDIDATES):
+            tokens = self.blocks[block_id].token_ids
+            shared = _common_prefix(tokens, wanted)
+            if shared > best_shared:
+                best, best_shared = block_id, shared
+                if shared == len(wanted):
+                    break
+        return best, best_shared
 
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s full, computed blocks in the prefix cache (call after each step that wrote KV)."""
@@ -137,27 +191,32 @@ class BlockManager:
                 continue  # another sequence computed the same block concurrently; keep the first copy
             block.hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.parent = self._block_hash(seq, i - 1) if i else self._root_of(seq)
             self._cached[block_hash] = block.block_id
+            self._children.setdefault((block.parent, block.token_ids[0]), OrderedDict())[block.block_id] = (
+                None
+            )
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
     # -- allocation --------------------------------------------------------------------------------------------
 
-    def can_allocate(self, cached: list[int], num_tokens: int, *, watermark: int = 0) -> bool:
+    def can_allocate(self, cached: CachedPrefix, num_tokens: int, *, watermark: int = 0) -> bool:
         """Whether a waiting sequence can take `cached` prefix blocks plus new blocks up to `num_tokens`
         tokens while leaving `watermark` blocks free."""
-        num_new = cdiv(num_tokens, self.block_size) - len(cached)
+        # A block reused in part is copied before its first write: one more new block.
+        num_new = cdiv(num_tokens, self.block_size) - len(cached.blocks) + (cached.partial_tokens > 0)
         # Hit blocks nobody references sit in the free pool; taking them shrinks it.
-        num_reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        num_reclaimed = sum(1 for b in cached.blocks if self.blocks[b].ref_count == 0)
         return self.num_free_blocks - num_reclaimed - num_new >= watermark
 
-    def allocate_cached(self, seq: Sequence, cached: list[int]) -> None:
+    def allocate_cached(self, seq: Sequence, cached: CachedPrefix) -> None:
         """Give a waiting sequence (no blocks) the prefix-cache hits found for it, marking them computed."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        for block_id in cached:
+        for block_id in cached.blocks:
             self._take_ref(block_id)
-        seq.block_table = list(cached)
-        seq.num_computed_tokens = len(cached) * self.block_size
-        seq.num_committed_blocks = len(cached)
+        seq.block_table = list(cached.blocks)
+        seq.num_computed_tokens = cached.num_tokens(self.block_size)
+        seq.num_committed_blocks = seq.num_computed_tokens // self.block_size
         if self.enable_prefix_caching:
             self.num_queried_tokens += len(seq.token_ids)
             self.num_hit_tokens += seq.num_computed_tokens
@@ -172,7 +231,9 @@ class BlockManager:
         table = seq.block_table
         start = seq.num_computed_tokens
         num_missing = cdiv(start + num_new_tokens, bs) - len(table)
-        cow = start % bs != 0 and self.blocks[table[start // bs]].ref_count > 1
+        # Shared by a fork, or a registered block reused in part (`CachedPrefix`): never written in place.
+        last = self.blocks[table[start // bs]] if start % bs else None
+        cow = last is not None and (last.ref_count > 1 or last.hash is not None)
         if num_missing + cow > self.num_free_blocks:
             return None
         copies: list[tuple[int, int]] = []
@@ -215,8 +276,13 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             block = self.blocks[block_id]
             del self._cached[block.hash]  # type: ignore[arg-type]
+            siblings = self._children[(block.parent, block.token_ids[0])]
+            del siblings[block_id]
+            if not siblings:
+                del self._children[(block.parent, block.token_ids[0])]
             block.hash = None
             block.token_ids = ()
+            block.parent = b""
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id

@@ -166,7 +166,7 @@ class Scheduler:
             if len(self.running) + len(forked) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             cached = bm.find_cached_prefix(seq)
-            num_cached = len(cached) * bm.block_size
+            num_cached = cached.num_tokens(bm.block_size)
             num_new = len(seq.token_ids) - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -177,8 +177,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate_cached(seq, cached)
-            copies = bm.allocate_slots(seq, num_new)
-            assert copies == [], "a freshly admitted sequence shares no partial block"
+            copies = bm.allocate_slots(seq, num_new)  # a block reused in part is copied first
+            assert copies is not None, "can_allocate promised room"
             seq.status = SequenceStatus.RUNNING
             if seq.lora is not None:
                 loras.add(seq.lora)

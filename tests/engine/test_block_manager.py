@@ -14,7 +14,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from structgen.engine.block_manager import BlockManager, cdiv
+from structgen.engine.block_manager import BlockManager, CachedPrefix, cdiv
 from structgen.engine.sequence import Sequence
 
 BLOCK_SIZE = 4
@@ -56,10 +56,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, seq: Sequence, chunk: int) -> bool:
         cached = self.bm.find_cached_prefix(seq)
-        assert len(cached) * BLOCK_SIZE < len(seq), "a hit must leave the last token to compute"
-        num_cached = len(cached) * BLOCK_SIZE
-        if cached:
+        num_cached = cached.num_tokens(BLOCK_SIZE)
+        assert num_cached < len(seq), "a hit must leave the last token to compute"
+        if cached.blocks:
             event("prefix hit")
+        if cached.partial_tokens:
+            event("part of a block reused")
         num_new = min(chunk, len(seq) - num_cached)
         if not self.bm.can_allocate(cached, num_cached + num_new):
             return False
@@ -67,7 +69,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.allocate_cached(seq, cached)
         assert self._compute(seq, num_new), "can_allocate promised room"
         reclaimed = free_before - self.bm.num_free_blocks
-        assert reclaimed <= cdiv(num_cached + num_new, BLOCK_SIZE)
+        assert reclaimed <= cdiv(num_cached + num_new, BLOCK_SIZE) + (cached.partial_tokens > 0)
         self.running.append(seq)
         return True
 
@@ -150,6 +152,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block = self.bm.blocks[block_id]
             assert block.hash == block_hash
             assert tuple(self.kv[block_id]) == block.token_ids
+        # The index of partial reuse lists exactly the registered blocks, each under its parent and first token.
+        listed = {b: key for key, ids in self.bm._children.items() for b in ids}
+        assert listed == {
+            b: (self.bm.blocks[b].parent, self.bm.blocks[b].token_ids[0]) for b in self.bm._cached.values()
+        }
 
     def teardown(self) -> None:
         for seq in self.running:
@@ -166,8 +173,10 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 
 
 def _prefill(bm: BlockManager, seq: Sequence) -> None:
-    bm.allocate_cached(seq, bm.find_cached_prefix(seq))
-    assert bm.allocate_slots(seq, len(seq) - seq.num_computed_tokens) == []
+    cached = bm.find_cached_prefix(seq)
+    bm.allocate_cached(seq, cached)
+    copies = bm.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
+    assert copies is not None and len(copies) == (cached.partial_tokens > 0)
     seq.num_computed_tokens = len(seq)
     bm.commit(seq)
 
@@ -179,10 +188,10 @@ def test_prefix_hit_reuses_blocks_and_keeps_last_token() -> None:
     table = list(first.block_table)
     bm.free(first)
     assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 16
-    # The whole 12-token prompt is cached, but the last token must be recomputed: only 2 blocks hit.
-    assert bm.find_cached_prefix(Sequence(1, list(range(12)))) == table[:2]
+    # The whole 12-token prompt is cached, but the last token must be recomputed: 2 blocks and 3 tokens hit.
+    assert bm.find_cached_prefix(Sequence(1, list(range(12)))) == CachedPrefix(table, 3)
     longer = Sequence(2, [*range(12), 99])
-    assert bm.find_cached_prefix(longer) == table
+    assert bm.find_cached_prefix(longer) == CachedPrefix(table)
     bm.allocate_cached(longer, bm.find_cached_prefix(longer))
     assert longer.num_computed_tokens == 12
     assert bm.num_hit_tokens == 12 and bm.num_queried_tokens == 12 + 13  # the first prefill queried too
@@ -192,12 +201,12 @@ def test_hit_requires_same_chain_and_salt() -> None:
     bm = BlockManager(16, 4)
     _prefill(bm, Sequence(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Same second block, different first block: the chained hash differs, so no hit on either.
-    assert bm.find_cached_prefix(Sequence(1, [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
-    assert len(bm.find_cached_prefix(Sequence(2, [1, 2, 3, 4, 5, 6, 7, 8, 0]))) == 2
+    assert bm.find_cached_prefix(Sequence(1, [0, 2, 3, 4, 5, 6, 7, 8, 9])) == CachedPrefix([])
+    assert len(bm.find_cached_prefix(Sequence(2, [1, 2, 3, 4, 5, 6, 7, 8, 0])).blocks) == 2
     other_model = BlockManager(16, 4, cache_salt="other")
     seq = Sequence(3, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     _prefill(bm, seq)
-    assert other_model.find_cached_prefix(Sequence(4, [1, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    assert other_model.find_cached_prefix(Sequence(4, [1, 2, 3, 4, 5, 6, 7, 8, 9])) == CachedPrefix([])
 
 
 def test_lru_eviction_only_of_unreferenced_blocks() -> None:
@@ -214,7 +223,9 @@ def test_lru_eviction_only_of_unreferenced_blocks() -> None:
     _prefill(bm, c)
     assert bm.num_evictions == 1
     assert c.block_table == [a_table[1]]
-    assert len(bm.find_cached_prefix(Sequence(3, [1, 2, 3, 4, 0]))) == 1  # a's head block survived
+    assert bm.find_cached_prefix(Sequence(3, [1, 2, 3, 4, 0])).blocks == [
+        a_table[0]
+    ]  # a's head block survived
     assert bm.allocate_slots(Sequence(4, [0] * 9), 9) is None  # b and c hold their blocks; nothing fits
     bm.free(b)
     bm.free(c)
@@ -237,12 +248,40 @@ def test_cow_on_fork_of_partial_block() -> None:
     assert [bm.blocks[b].ref_count for b in child.block_table] == [2, 1]
 
 
+def test_part_of_a_cached_block_is_reused_and_copied_before_it_is_written() -> None:
+    bm = BlockManager(8, 4)
+    a = Sequence(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # two full blocks, registered
+    _prefill(bm, a)
+    shared = a.block_table[1]
+    # b shares a's first block and the first two tokens of its second; a is still running.
+    b = Sequence(1, [1, 2, 3, 4, 5, 6, 0, 0])
+    cached = bm.find_cached_prefix(b)
+    assert cached == CachedPrefix(a.block_table[:2], 2) and cached.num_tokens(4) == 6
+    assert bm.can_allocate(cached, len(b))
+    bm.allocate_cached(b, cached)
+    assert b.num_computed_tokens == 6 and bm.blocks[shared].ref_count == 2
+    copies = bm.allocate_slots(b, 2)
+    assert copies == [(shared, b.block_table[1])] and b.block_table[1] != shared
+    assert bm.blocks[shared].ref_count == 1 and bm.blocks[shared].token_ids == (5, 6, 7, 8)
+    # With a gone, its block sits in the LRU; a reuse in part still copies it (nobody else holds it).
+    bm.free(a)
+    c = Sequence(2, [1, 2, 3, 4, 5, 9])
+    cached = bm.find_cached_prefix(c)
+    assert cached == CachedPrefix([b.block_table[0], shared], 1)
+    bm.allocate_cached(c, cached)
+    assert bm.allocate_slots(c, 1) == [(shared, c.block_table[1])]
+    assert bm.blocks[shared].ref_count == 0 and shared in bm.free_block_ids()
+    # Nothing shared past the last whole block: no partial reuse; a different first token: none either.
+    assert bm.find_cached_prefix(Sequence(3, [1, 2, 3, 4, 0, 5])) == CachedPrefix([b.block_table[0]])
+    assert bm.find_cached_prefix(Sequence(4, [1, 2, 3])) == CachedPrefix([b.block_table[0]], 2)
+
+
 def test_disabled_prefix_caching_never_hits() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     a = Sequence(0, list(range(9)))
     _prefill(bm, a)
     bm.free(a)
-    assert bm.find_cached_prefix(Sequence(1, list(range(9)))) == []
+    assert bm.find_cached_prefix(Sequence(1, list(range(9)))) == CachedPrefix([])
     assert bm.num_cached_blocks == 0
 
 

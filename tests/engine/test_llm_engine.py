@@ -215,10 +215,27 @@ def test_prefix_cache_hit_gives_the_same_output(make_engine: EngineFactory) -> N
     first = generate(engine, varied(), request_id="first")
     engine.add_request("second", PROMPT, varied(), stream=False)
     second = run_all(engine)["second"]
-    assert second.num_cached_tokens == 16  # one full block; the last prompt token is always recomputed
+    # One full block and the first 3 tokens of the next: all but the last prompt token, which is recomputed.
+    assert second.num_cached_tokens == len(PROMPT) - 1 == 19
     assert second.outputs[0].token_ids == first.token_ids
     stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens == 16 and 0 < stats.prefix_cache_hit_rate < 1
+    assert stats.prefix_cache_hit_tokens == 19 and 0 < stats.prefix_cache_hit_rate < 1
+
+
+def test_a_prompt_sharing_part_of_a_block_reuses_it_and_gets_its_own_output(
+    make_engine: EngineFactory,
+) -> None:
+    # The second prompt shares the first one's first 18 tokens (a block and 2 tokens), then goes its own way.
+    other = [*PROMPT[:18], *(_rng.randrange(1000, 50000) for _ in range(7))]
+    alone = generate(make_engine(), varied(), prompt=other)
+    engine = make_engine()
+    generate(engine, varied(), request_id="first")
+    engine.add_request("second", other, varied(), stream=False)
+    second = run_all(engine)["second"]
+    assert second.num_cached_tokens == 18
+    assert second.outputs[0].token_ids == alone.token_ids  # the shared block was copied, not written over
+    third = generate(engine, varied(), request_id="third")  # the first prompt again: its blocks intact
+    assert third.token_ids == generate(make_engine(), varied()).token_ids
 
 
 def test_metrics(make_engine: EngineFactory) -> None:
