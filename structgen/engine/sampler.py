@@ -6,8 +6,8 @@ tensor op over all rows that need it, built from per-row parameter lists once pe
 needs is skipped.
 
 The draw is inverse-CDF sampling (`inverse_cdf.py`) with one uniform number per row, and one more per draw
-again for a row whose pick the structured-output mask rejected (see `token_mask.py`). A seeded row takes its
-numbers from its own generator, so its tokens do not depend on which rows share the batch or in what order;
+again for a row whose pick the structured-output mask rejected (see `token_mask.py` and `redraw.py`). A seeded
+row takes its numbers from its own generator, so its tokens do not depend on which rows share the batch or in what order;
 unseeded rows share one draw (rows sharing a generator draw from it in row order). Compared with the exponential race
 (`argmax(probs / q)`, `q ~ Exp(1)`), this needs one random number per row instead of one per vocabulary
 entry: on two CPU cores, drawing [64, 100k] numbers alone costs 60-180 ms, several times the softmax.
