@@ -86,7 +86,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, registered; oldest first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         # (parent hash, first token) -> registered block ids under it, oldest first: partial reuse's candidates.
-        self._children: dict[tuple[bytes, int], OrderedDict[int, None]] = {}
+        self._children: dict[tuple[bytes, int], dict[int, None]] = {}
         # Anything that changes the KV for the same tokens goes into the root hash: the model, and a sequence's
         # LoRA adapter (`_root_of`).
         self._root_hash = hashlib.sha256(f"structgen-kv:{cache_salt}".encode()).digest()
@@ -193,9 +193,7 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.parent = self._block_hash(seq, i - 1) if i else self._root_of(seq)
             self._cached[block_hash] = block.block_id
-            self._children.setdefault((block.parent, block.token_ids[0]), OrderedDict())[block.block_id] = (
-                None
-            )
+            self._children.setdefault((block.parent, block.token_ids[0]), {})[block.block_id] = None
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
     # -- allocation --------------------------------------------------------------------------------------------

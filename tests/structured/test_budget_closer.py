@@ -40,6 +40,15 @@ class Stepper:
         return self.closer.step(self.grammar, self.scanner, left, self.feed(ids), same_value=False)
 
 
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from structgen.structured import closing
+
+    walks: list[int] = []
+    original = closing.shortest_completion
+    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    return walks
+
+
 def test_closer_takes_the_fallback_only_when_a_token_would_not_leave_room(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
@@ -62,8 +71,6 @@ def test_closer_looks_rarely_once_the_output_is_out_of_reach(
 ) -> None:
     """An output whose shortest end is past the budget (40 items at least, 60 tokens left) cannot come back
     within it, so the closer neither walks at every token nor asks for a fallback it cannot have."""
-    from structgen.structured import closing
-
     items = {
         "type": "array",
         "minItems": 40,
@@ -75,9 +82,7 @@ def test_closer_looks_rarely_once_the_output_is_out_of_reach(
     }
     run = Stepper(backends["llguidance"], byte_tokens)
     run.grammar = compile_schema(backends["llguidance"], items)
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    walks = _count_walks(monkeypatch)
     left, failures = 60, []
     for i in range(40):
         ids = encode(("[" if i == 0 else ",") + f'{{"id":{i},"ok":true}}')
@@ -124,9 +129,7 @@ def test_an_output_out_of_reach_from_the_start_is_never_walked(
             byte_tokens, ("test-long-string",), lambda: compile_schema(backends["llguidance"], long_string)
         )
     )
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    walks = _count_walks(monkeypatch)
     left = 32
     for piece in ('{"s":"', "abc", "def", "ghi", "jkl"):
         ids = encode(piece)
@@ -144,8 +147,6 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
 ) -> None:
     """A model writing another enum value or number than the completion's, then forced through the same keys,
     keeps the rest of the completion: checked by the grammar, no new walk, and it still ends the output."""
-    from structgen.structured import closing
-
     tasks = {
         "type": "array",
         "minItems": 6,
@@ -165,9 +166,7 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
     assert run.step(encode('[{"status":"'), left)
     plan = run.closer.plan
     assert plan is not None and byte_tokens.text(list(plan)).startswith(b'blocked","priority":1}')
-    walks = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
+    walks = _count_walks(monkeypatch)
     for piece in ('done","priority":', "4", '},{"status":"', 'todo","priority":'):
         ids = encode(piece)
         left -= len(ids)
@@ -188,15 +187,6 @@ _SCORES = {
         "additionalProperties": False,
     },
 }
-
-
-def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from structgen.structured import closing
-
-    walks: list[int] = []
-    original = closing.shortest_completion
-    monkeypatch.setattr(closing, "shortest_completion", lambda *a, **k: walks.append(1) or original(*a, **k))
-    return walks
 
 
 def test_digits_written_in_a_number_keep_its_completion(
