@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -63,6 +64,78 @@ def allowed_token_ids(packed_row: np.ndarray, vocab: int, limit: int = SPARSE_LI
     if len(ids) > limit:
         return None
     return torch.from_numpy(ids[ids < vocab].astype(np.int64))
+
+
+def list_allowed_rows(
+    bitmask: Tensor, rows: list[int], vocab: int, *, limit: int = SPARSE_LIMIT
+) -> list[Tensor | None]:
+    """`allowed_token_ids` of each of `rows` of `bitmask` ([rows, words] int32 on the CPU): one native call
+    where the kernels are built (`structgen.kernels.cpu_sparse_picks`), else row by row in numpy."""
+    if not rows:
+        return []
+    if _native() is not None and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1:
+        return _native().list_allowed(bitmask, rows, vocab, limit)
+    packed = bitmask.contiguous().numpy().view(np.uint8)
+    return [allowed_token_ids(packed[row], vocab, limit) for row in rows]
+
+
+def pick_among_allowed(
+    x: Tensor,
+    rows: list[int],
+    ids: list[Tensor],
+    temperatures: list[float],
+    uniforms: Tensor,
+    token_ids: Tensor,
+    ok: Tensor,
+) -> None:
+    """Pick batch row `rows[j]` of `x` among its allowed `ids[j]` (ascending int64): the first maximum where
+    `uniforms[j]` (float64) is NaN, else a draw by it (`pick_among_rows` on the logits divided by
+    `temperatures[j]`). Writes each token (-1 where no allowed token is possible) into `token_ids[row]`, and
+    whether one was into `ok[row]`. One native call for float32 CPU logits where the kernels are built; the
+    torch path (`pick_among_allowed_reference`) gives the same picks otherwise."""
+    if not rows:
+        return
+    native = _native() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    if native is not None and x.stride(-1) == 1:
+        native.pick_among_allowed(x, rows, ids, temperatures, uniforms, token_ids, ok)
+    else:
+        pick_among_allowed_reference(x, rows, ids, temperatures, uniforms, token_ids, ok)
+
+
+def pick_among_allowed_reference(
+    x: Tensor,
+    rows: list[int],
+    ids: list[Tensor],
+    temperatures: list[float],
+    uniforms: Tensor,
+    token_ids: Tensor,
+    ok: Tensor,
+) -> None:
+    """`pick_among_allowed` in torch: every row's allowed logits side by side, padded with -inf, one pick for
+    all (`pick_among_rows`)."""
+    counts = torch.tensor([len(row_ids) for row_ids in ids])
+    flat = torch.cat(ids).to(x.device)
+    which = torch.repeat_interleave(torch.arange(len(ids)), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    values = torch.full((len(ids), max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype)
+    batch_rows = torch.tensor(rows)
+    values[which, torch.arange(len(flat)) - starts[which]] = x[batch_rows[which], flat]
+    if any(t != 1.0 for t in temperatures):
+        values /= torch.tensor(temperatures, dtype=values.dtype).unsqueeze(1)
+    drawn = not bool(torch.isnan(uniforms).all())
+    index, possible = pick_among_rows(values, uniforms if drawn else None)
+    chosen = flat[(starts + index).clamp_max(len(flat) - 1)] if len(flat) else index  # (nothing allowed)
+    token_ids[batch_rows] = torch.where(possible, chosen, -1)
+    ok[batch_rows] = possible
+
+
+@functools.cache
+def _native() -> ModuleType | None:
+    """`structgen.kernels.cpu_sparse_picks` when the native kernels are built here (the first call may build
+    them), else None."""
+    from structgen.kernels import cpu_sparse_picks
+
+    return cpu_sparse_picks if cpu_sparse_picks.available() else None
 
 
 def pick_among(values: Tensor, *, uniform: Tensor | None = None) -> tuple[int, bool]:

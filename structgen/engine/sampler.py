@@ -22,11 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from structgen.engine.fast_picks import allowed_token_ids, pick_among_rows, row_argmax
+from structgen.engine.fast_picks import list_allowed_rows, pick_among_allowed, row_argmax
 from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.logprobs import raw_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
@@ -217,9 +216,7 @@ class Sampler:
         dense = []
         if rest:
             mask.ensure_filled(rest)
-            packed = mask.bitmask.contiguous().numpy().view(np.uint8)
-            for i in rest:
-                ids = allowed_token_ids(packed[i], x.shape[1])
+            for i, ids in zip(rest, list_allowed_rows(mask.bitmask, rest, x.shape[1]), strict=True):
                 (dense.append(i) if ids is None else sparse.append((i, ids)))
         return dense, sparse
 
@@ -235,28 +232,16 @@ class Sampler:
         possible token (marked not ok), which the caller masks so that the error names the mask."""
         if not sparse:
             return []
-        counts = torch.tensor([len(ids) for _, ids in sparse])
         draws = [j for j, (i, _) in enumerate(sparse) if not rows[i].params.greedy]
-        drawn = set(draws)
-        uniforms = None
+        uniforms = torch.full((len(sparse),), float("nan"), dtype=torch.float64)
         if draws:  # NaN for the greedy rows; drawn in the order `pick_among` row by row would draw them
-            uniforms = torch.full((len(sparse),), float("nan"), dtype=torch.float64)
             uniforms[draws] = self._uniforms([rows[sparse[j][0]] for j in draws], x.device).cpu()
-        # Every row's allowed logits side by side, padded with -inf: one pick for all (`pick_among_rows`).
-        ids = torch.cat([ids for _, ids in sparse])
-        which = torch.repeat_interleave(torch.arange(len(sparse)), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        values = torch.full((len(sparse), max(int(counts.max()), 1)), float("-inf"), dtype=x.dtype)
-        batch_rows = torch.tensor([i for i, _ in sparse])
-        values[which, torch.arange(len(ids)) - starts[which]] = x[batch_rows[which], ids]
-        scale = [rows[i].params.temperature if j in drawn else 1.0 for j, (i, _) in enumerate(sparse)]
-        if any(t != 1.0 for t in scale):
-            values /= torch.tensor(scale, dtype=values.dtype).unsqueeze(1)
-        index, possible = pick_among_rows(values, uniforms)
-        chosen = ids[(starts + index).clamp_max(len(ids) - 1)] if len(ids) else index  # (nothing allowed)
-        token_ids[batch_rows] = torch.where(possible, chosen, -1)
-        ok[batch_rows] = possible
-        return [i for (i, _), good in zip(sparse, possible.tolist(), strict=True) if not good]
+        drawn = set(draws)
+        batch_rows = [i for i, _ in sparse]
+        temperatures = [rows[i].params.temperature if j in drawn else 1.0 for j, i in enumerate(batch_rows)]
+        pick_among_allowed(x, batch_rows, [ids for _, ids in sparse], temperatures, uniforms, token_ids, ok)
+        possible = ok[batch_rows].tolist()
+        return [i for i, good in zip(batch_rows, possible, strict=True) if not good]
 
     def _sample(
         self, x: Tensor, indices: list[int], rows: Sequence[SamplingRow], *, owned: bool
@@ -295,9 +280,13 @@ class Sampler:
         float64, so the draw resolves tokens far less likely than float32's 6e-8 steps near 1.0.
         """
         uniforms = torch.rand(len(rows), dtype=torch.float64, generator=self.generator, device=device)
-        for j, row in enumerate(rows):
-            if row.generator is not None:
-                uniforms[j] = torch.rand((), dtype=torch.float64, generator=row.generator, device=device)
+        seeded = [j for j, row in enumerate(rows) if row.generator is not None]
+        if seeded and device.type == "cpu":  # one write for all (a write per row costs as much as its draw)
+            values = [torch.rand((), dtype=torch.float64, generator=rows[j].generator).item() for j in seeded]
+            uniforms[seeded] = torch.tensor(values, dtype=torch.float64)
+        else:
+            for j in seeded:
+                uniforms[j] = torch.rand((), dtype=torch.float64, generator=rows[j].generator, device=device)
         return uniforms
 
     def _check_inputs(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

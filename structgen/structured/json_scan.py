@@ -11,7 +11,8 @@ from __future__ import annotations
 OBJECT, ARRAY, STRING, NUMBER = 1, 2, 3, 4
 _NUMBER_BYTES = frozenset(b"0123456789+-.eE")
 _NUMBER_START = frozenset(b"-0123456789")
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_QUOTE, _BACKSLASH, _ZERO = ord('"'), ord("\\"), ord("0")
+_SPACE = frozenset(b" \t\n\r")
 _OPEN = {ord("{"): OBJECT, ord("["): ARRAY}
 _CLOSE = {ord("}"): OBJECT, ord("]"): ARRAY}
 
@@ -19,17 +20,21 @@ _CLOSE = {ord("}"): OBJECT, ord("]"): ARRAY}
 class JsonScanner:
     """Feed output bytes in order; `stack` holds (kind, start offset) of each value still open."""
 
-    __slots__ = ("_escaped", "offset", "stack")
+    __slots__ = ("_escaped", "after", "offset", "stack")
 
     def __init__(self) -> None:
         self.stack: list[tuple[int, int]] = []
         self.offset = 0  # bytes fed so far
+        # The last byte outside string content that is not white space (`"` for a string's closing quote, `0`
+        # for a number that ended); 0 before any.
+        self.after = 0
         self._escaped = False
 
     def copy(self) -> JsonScanner:
         twin = JsonScanner()
         twin.stack = list(self.stack)
         twin.offset = self.offset
+        twin.after = self.after
         twin._escaped = self._escaped
         return twin
 
@@ -62,6 +67,7 @@ class JsonScanner:
                     i = n
                     continue
                 stack.pop()
+                self.after = _QUOTE
                 i = q + 1
                 continue
             byte = data[i]
@@ -70,7 +76,10 @@ class JsonScanner:
                     i += 1
                     continue
                 stack.pop()  # the number ended; this byte is read again outside it
+                self.after = _ZERO
                 continue
+            if byte not in _SPACE:
+                self.after = byte
             if byte == _QUOTE:
                 stack.append((STRING, self.offset + i))
             elif byte in _OPEN:

@@ -7,23 +7,27 @@ of grammars that check single tokens cheaply are left unfilled until the sampler
 Before the lm_head, `narrow_rows` tells the runner which rows' masks, filled during the forward, allow only a
 few tokens: their logits are computed for those tokens alone (`structgen.engine.narrow_logits`) and the sampler
 picks among them. Which lazy rows to fill ahead for that is each request's guess by kind of position
-(`pick_hints`).
+(`pick_hints`). Those rows are filled first, as one job on the mask thread, and `narrow_rows` waits for that job
+alone; the other rows filled ahead (hinted rows expected wide, rows that need the whole masked distribution)
+are a second job, which overlaps the lm_head too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
-from structgen.engine.fast_picks import allowed_token_ids
+from structgen.engine.fast_picks import list_allowed_rows
 from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.structured.backend import Grammar
 from structgen.structured.bitmask import apply_token_bitmask_
 from structgen.structured.manager import FillFailures, StructuredOutputManager
+
+T = TypeVar("T")
 
 
 class StructuredLogitsProcessor:
@@ -51,9 +55,7 @@ class StructuredLogitsProcessor:
         # rows whose pick the mask would change.
         self.defer = defer
         self._bitmask = manager.allocate_bitmask(64)
-        self._pending: tuple[list[Any], list[tuple[Grammar, int]], list[int], Future[FillFailures]] | None = (
-            None
-        )
+        self._pending: _Fill | None = None
         # Sequences whose grammar raised while filling the last mask; the engine fails them (`take_failures`).
         self._failures: list[tuple[Any, Exception]] = []
         # The last step's sequences, deferred mask and each constrained row's position (see `pick_hints`).
@@ -76,7 +78,7 @@ class StructuredLogitsProcessor:
         for _, row in items:
             request = getattr(seqs[row], "structured", None)
             if request is not None:
-                position = self._positions[row] = request.position
+                position = self._positions[row] = request.hint_context
                 if request.pick_hints.hinted(position):
                     self._hinted.add(id(seqs[row]))
         self._extra = {}
@@ -85,21 +87,29 @@ class StructuredLogitsProcessor:
                 token = self.also_allowed(seqs[row])
                 if token is not None:
                     self._extra[row] = token
-        ahead, deferred = self._split_deferred(seqs, items)
-        future = self.manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done()
-        self._pending = (list(seqs), items, deferred, future)
+        narrow_first, ahead, deferred = self._split_deferred(seqs, items)
+        manager = self.manager
+        self._pending = _Fill(
+            seqs=list(seqs),
+            items=items,
+            deferred=deferred,
+            first=manager.on_mask_thread(self._fill_and_list, narrow_first, self._bitmask, self.narrow_limit)
+            if narrow_first
+            else _done(([], {})),
+            rest=manager.fill_bitmask_async(ahead, self._bitmask) if ahead else _done([]),
+        )
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Any]) -> TokenMask | None:
         pending = self._pending
-        if pending is None or not _same_seqs(pending[0], seqs):
+        if pending is None or not _same_seqs(pending.seqs, seqs):
             self.prepare(seqs)
             pending = self._pending
         assert pending is not None
         self._pending = None
-        seqs_, items, deferred, future = pending
+        seqs_, items, deferred = pending.seqs, pending.items, pending.deferred
         narrowed, self._narrowed = self._narrowed, {}
         rows = [row for _, row in items]
-        failures = future.result()
+        failures = pending.first.result()[0] + pending.rest.result()
         if failures:
             # Those rows go unmasked (their sample is discarded) and their requests fail after this step.
             failed = {row for row, _ in failures}
@@ -131,26 +141,20 @@ class StructuredLogitsProcessor:
     def narrow_rows(self, seqs: Sequence[Any], vocab: int) -> dict[int, torch.Tensor]:
         """{row: allowed token ids, ascending} of this step's rows whose mask, filled ahead, allows at most
         `narrow_limit` tokens (of the first `vocab`): the runner computes their logits for those tokens alone,
-        and the sampler picks among them. Waits for this step's fill (started by `prepare`, so normally done
-        by the end of the forward). Each row filled ahead tells its request whether its position was narrow.
-        Rows that need the whole distribution (logprobs, top-k/p), that may also take a token besides their
-        grammar's, or whose fill failed, stay whole."""
+        and the sampler picks among them. Only rows expected narrow are candidates; waits for their fill and
+        listing on the mask thread (started by `prepare`, so normally done by the end of the forward). Each
+        tells its request whether its position was narrow. Rows that need the whole distribution (logprobs,
+        top-k/p), that may also take a token besides their grammar's, or whose fill failed, stay whole."""
         pending = self._pending
         self._narrowed = {}
-        if not self.narrow_limit or pending is None or not _same_seqs(pending[0], seqs):
+        if not self.narrow_limit or pending is None or not _same_seqs(pending.seqs, seqs):
             return {}
-        seqs_, items, deferred, future = pending
-        failed = {row for row, _ in future.result()}
-        skip = failed | set(deferred) | set(self._extra)
-        packed = self._bitmask.numpy().view(np.uint8)
+        _, listed = pending.first.result()  # the rows filled first (those expected narrow), listed
         narrow: dict[int, torch.Tensor] = {}
-        for _, row in items:
-            seq = seqs_[row]
-            params = getattr(seq, "params", None)
-            if row in skip or params is None or needs_masked_distribution(params):
-                continue
-            ids = allowed_token_ids(packed[row], vocab, limit=self.narrow_limit)
-            request = getattr(seq, "structured", None)
+        for row, ids in listed.items():
+            if ids is not None and len(ids) > 0 and int(ids[-1]) >= vocab:
+                ids = ids[ids < vocab]  # listed up to the bitmask's width; the model's vocabulary may be less
+            request = getattr(pending.seqs[row], "structured", None)
             if request is not None:
                 request.pick_hints.saw_width(self._positions.get(row), narrow=ids is not None)
             if ids is not None and len(ids) > 0:  # none allowed: the sampler reports the row as dead
@@ -160,29 +164,43 @@ class StructuredLogitsProcessor:
 
     def _split_deferred(
         self, seqs: Sequence[Any], items: list[tuple[Grammar, int]]
-    ) -> tuple[list[tuple[Grammar, int]], list[int]]:
-        """(rows to fill now, on the mask thread; rows left unfilled). A deferred row's pick is checked against
-        its grammar alone (a few µs where filling the row walks the vocabulary) and the row is filled only if
-        the sampler needs it whole: rows of grammars that check tokens cheaply, picked lazily, not hinted."""
+    ) -> tuple[list[tuple[Grammar, int]], list[tuple[Grammar, int]], list[int]]:
+        """(rows to fill first, on the mask thread, for their narrow logits; other rows to fill then; rows left
+        unfilled). A deferred row's pick is checked against its grammar alone (a few µs where filling the row
+        walks the vocabulary) and the row is filled only if the sampler needs it whole: rows of grammars that
+        check tokens cheaply, picked lazily, not hinted. A row that may be narrowed (picked lazily, no token
+        besides its grammar's) and whose request expects its position narrow is filled first; one expected wide
+        is not measured, and its expectation fades towards another try (`PickHints.left_unfilled`)."""
         if not self.defer:
-            return items, []
-        ahead, deferred = [], []
+            return [], items, []
+        narrow_first, ahead, deferred = [], [], []
         for grammar, row in items:
             seq = seqs[row]
             params = getattr(seq, "params", None)
             lazy = params is not None and not needs_masked_distribution(params)
+            request = getattr(seq, "structured", None)
+            if self.narrow_limit and lazy and request is not None and row not in self._extra:
+                position = self._positions.get(row)
+                if request.pick_hints.expects_narrow(position):
+                    narrow_first.append((grammar, row))  # for its narrow logits (`narrow_rows`)
+                    continue
+                request.pick_hints.left_unfilled(position)
             if grammar.checks_tokens_cheaply and lazy and id(seq) not in self._hinted:
-                request = getattr(seq, "structured", None)
-                if self.narrow_limit and request is not None:
-                    position = self._positions.get(row)
-                    if request.pick_hints.expects_narrow(position):
-                        ahead.append((grammar, row))  # filled for its narrow logits (`narrow_rows`)
-                        continue
-                    request.pick_hints.left_unfilled(position)
                 deferred.append(row)
             else:
                 ahead.append((grammar, row))
-        return ahead, deferred
+        return narrow_first, ahead, deferred
+
+    def _fill_and_list(
+        self, items: list[tuple[Grammar, int]], bitmask: torch.Tensor, limit: int
+    ) -> tuple[FillFailures, dict[int, torch.Tensor | None]]:
+        """On the mask thread: fill the rows expected narrow, then list the ids each allows (None: more than
+        `limit`), so that `narrow_rows`, on the forward's path, only reads them."""
+        failures = self.manager.fill_bitmask(items, bitmask)
+        failed = {row for row, _ in failures}
+        rows = [row for _, row in items if row not in failed]
+        listed = list_allowed_rows(bitmask, rows, bitmask.shape[1] * 32, limit=limit)
+        return failures, dict(zip(rows, listed, strict=True))
 
     def _token_check(self, seq: Any, grammar: Grammar, extra: int | None = None) -> Callable[[int], bool]:
         validate = grammar.validate_tokens
@@ -216,7 +234,8 @@ class StructuredLogitsProcessor:
     def _settle(self) -> None:
         # A fill still writing into the bitmask must finish before the bitmask is reused.
         if self._pending is not None:
-            self._pending[3].result()
+            self._pending.first.result()
+            self._pending.rest.result()
             self._pending = None
 
     def _items(self, seqs: Sequence[Any]) -> list[tuple[Grammar, int]]:
@@ -228,6 +247,18 @@ class StructuredLogitsProcessor:
             if grammar is not None:
                 items.append((grammar, row))
         return items
+
+
+@dataclass(slots=True)
+class _Fill:
+    """One step's mask fill on the mask thread: the rows expected narrow first (`first`, which `narrow_rows`
+    waits for), then the other rows filled ahead (`rest`); `deferred` rows are left unfilled."""
+
+    seqs: list[Any]
+    items: list[tuple[Grammar, int]]
+    deferred: list[int]
+    first: Future[tuple[FillFailures, dict[int, torch.Tensor | None]]]  # and the ids each row allows
+    rest: Future[FillFailures]
 
 
 def _same_seqs(prepared: list[Any], seqs: Sequence[Any]) -> bool:
@@ -255,7 +286,7 @@ def _learn_hints(seqs: list[Any], mask: TokenMask, positions: dict[int, int | No
             request.pick_hints.picked_lazily(position, rejected=row in rejected)
 
 
-def _done() -> Future[FillFailures]:
-    future: Future[FillFailures] = Future()
-    future.set_result([])
+def _done(result: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(result)
     return future

@@ -18,9 +18,10 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
 
 CacheKey = tuple[str, tuple[str, str, str, str, int], str]
 FillFailures = list[tuple[int, Exception]]  # (bitmask row, the error its grammar raised)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +317,11 @@ class StructuredOutputManager:
     ) -> Future[FillFailures]:
         """`fill_bitmask` on the mask thread, to overlap with the model forward; wait on the future before
         applying the mask."""
-        return self._fill_pool.submit(self.fill_bitmask, list(items), bitmask)
+        return self.on_mask_thread(self.fill_bitmask, list(items), bitmask)
+
+    def on_mask_thread(self, job: Callable[..., T], *args: Any) -> Future[T]:
+        """`job(*args)` on the mask thread, after the fills queued before it (a fill and what reads its rows)."""
+        return self._fill_pool.submit(job, *args)
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

@@ -7,9 +7,10 @@ not (a rejected row is drawn again, then listed or masked and drawn once more). 
 pick and goes straight to the cheap pick among its few allowed tokens. Whether a pick will be rejected depends
 on the model and on where the output stands: a real model writes the digits a number needs, a random one
 almost never does, while both get most characters of a string right. So each request keeps, per kind of
-position (the innermost JSON value open: inside a string, a number, between an object's or an array's members;
-one kind for non-JSON grammars), a running rate of rejected lazy picks, and a row is hinted where that rate is
-high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
+position (`StructuredRequest.hint_context`: inside a number; inside a string, with or without its next bytes
+forced; between values, by the object or array open and the last byte written, `:` before a value, `,` after
+one; one kind for non-JSON grammars), a running rate of rejected lazy picks, and a row is hinted where that rate
+is high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
 that learns the format (or a position that changed nature) stops being hinted. The hint changes cost only,
 never which token is drawn (see `token_mask`).
 

@@ -62,3 +62,37 @@ def test_pick_among_greedy_sampled_and_impossible() -> None:
     for u in (0.0, 0.1, float(cum[0]) + 1e-9, 0.6, 0.999999):
         index, possible = pick_among(values, uniform=torch.tensor(u, dtype=torch.float64))
         assert possible and index == int((cum > u).nonzero()[0]) and index != 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_batch_listing_and_picks_take_either_path(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """`list_allowed_rows` and `pick_among_allowed` give the reference's results with the native kernels and
+    without them (no compiler, or STRUCTGEN_CPU_KERNELS=0)."""
+    from structgen.engine import fast_picks
+
+    if not native:
+        monkeypatch.setattr(fast_picks, "_native", lambda: None)
+    else:
+        assert fast_picks._native() is not None
+    vocab = 3000
+    bitmask = allocate_token_bitmask(3, vocab)
+    bitmask.zero_()
+    allow_tokens(bitmask, 0, [4, 7, 2999])
+    allow_tokens(bitmask, 1, list(range(0, vocab, 2)))  # wide
+    listed = fast_picks.list_allowed_rows(bitmask, [1, 0, 2], vocab, limit=64)
+    assert listed[0] is None and listed[1].tolist() == [4, 7, 2999] and listed[2].tolist() == []
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, vocab, generator=gen)
+    ids = [torch.tensor([4, 7, 2999]), torch.tensor([1, 2]), torch.tensor([10, 11, 12])]
+    uniforms = torch.tensor([0.25, float("nan"), 0.9], dtype=torch.float64)
+    token_ids, ok = torch.full((4,), -5), torch.zeros(4, dtype=torch.bool)
+    fast_picks.pick_among_allowed(x, [3, 0, 1], ids, [0.5, 1.0, 1.0], uniforms, token_ids, ok)
+    want_ids, want_ok = torch.full((4,), -5), torch.zeros(4, dtype=torch.bool)
+    fast_picks.pick_among_allowed_reference(x, [3, 0, 1], ids, [0.5, 1.0, 1.0], uniforms, want_ids, want_ok)
+    assert token_ids.tolist() == want_ids.tolist() and ok.tolist() == want_ok.tolist() == [
+        True,
+        True,
+        False,
+        True,
+    ]
+    assert token_ids[0] == 1 + int(x[0, 1:3].argmax())  # the greedy row: its first maximum

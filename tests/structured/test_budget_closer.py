@@ -139,6 +139,21 @@ def test_an_output_out_of_reach_from_the_start_is_never_walked(
     assert walks == []
 
 
+_TASKS = {
+    "type": "array",
+    "minItems": 6,
+    "items": {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["todo", "blocked", "done"]},
+            "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["status", "priority"],
+        "additionalProperties": False,
+    },
+}
+
+
 def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
     backends: dict[str, StructuredBackend],
     encode: Callable[[str], list[int]],
@@ -147,21 +162,8 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
 ) -> None:
     """A model writing another enum value or number than the completion's, then forced through the same keys,
     keeps the rest of the completion: checked by the grammar, no new walk, and it still ends the output."""
-    tasks = {
-        "type": "array",
-        "minItems": 6,
-        "items": {
-            "type": "object",
-            "properties": {
-                "status": {"enum": ["todo", "blocked", "done"]},
-                "priority": {"type": "integer", "minimum": 1, "maximum": 5},
-            },
-            "required": ["status", "priority"],
-            "additionalProperties": False,
-        },
-    }
     run = Stepper(backends["llguidance"], byte_tokens)
-    run.grammar = compile_schema(backends["llguidance"], tasks)
+    run.grammar = compile_schema(backends["llguidance"], _TASKS)
     left = 90
     assert run.step(encode('[{"status":"'), left)
     plan = run.closer.plan
@@ -175,6 +177,33 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
         assert rest is not None and len(rest) <= left
         assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
     assert walks == []
+
+
+def test_closer_keeps_the_completion_when_the_model_writes_part_of_its_first_token(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model writes the start of the completion's first token (`bl` of `blocked`): the rest of that token is
+    encoded and the completion's later tokens are kept as they were, without a walk."""
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = compile_schema(backends["llguidance"], _TASKS)
+    left = 90
+    assert run.step(encode('[{"status":"'), left)
+    plan = run.closer.plan
+    assert plan is not None
+    text = byte_tokens.text(list(plan))
+    assert text.startswith(b"blocked") and byte_tokens.text([plan[0]]) not in (b"b", b"bl")
+    walks = _count_walks(monkeypatch)
+    ids = encode("bl")
+    assert byte_tokens.text(ids) == b"bl"
+    assert run.step(ids, left - len(ids))
+    rest = run.closer.plan
+    assert rest is not None and walks == []
+    assert byte_tokens.text(list(rest)) == text[2:]
+    assert rest[-len(plan) + 1 :] == plan[1:]  # the tokens after the first one are the completion's own
+    assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
 
 
 _SCORES = {

@@ -26,6 +26,29 @@ def test_stack_follows_the_text(chunk: int) -> None:
     assert kinds(b'{"k":"}]"}', chunk=chunk) == []  # closers inside strings are content
 
 
+def after(text: bytes, *, chunk: int) -> str:
+    scanner = JsonScanner()
+    for i in range(0, len(text), chunk):
+        scanner.feed(text[i : i + chunk])
+    twin = scanner.copy()
+    assert twin.after == scanner.after
+    return chr(scanner.after)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_after_is_the_last_byte_written_outside_strings(chunk: int) -> None:
+    assert after(b'{"a"', chunk=chunk) == '"'  # a string closed (a key)
+    assert after(b'{"a":', chunk=chunk) == ":"
+    assert after(b'{"a": ', chunk=chunk) == ":"  # white space does not count
+    assert after(b'{"a": "x,y:', chunk=chunk) == '"'  # inside the string: content does not count
+    assert after(b'{"a": "x,y"', chunk=chunk) == '"'
+    assert after(b'{"a": "x,y" ,', chunk=chunk) == ","
+    assert after(b'{"a": "x", "b": [1, 22 ', chunk=chunk) == "0"  # a number that ended
+    assert after(b'{"a": "x", "b": [1, 22]', chunk=chunk) == "]"
+    assert after(b'{"a": "x", "b": [1, 22], "c": true', chunk=chunk) == "e"
+    assert JsonScanner().after == 0
+
+
 def test_wrapper_text_is_skipped_and_offsets_are_absolute() -> None:
     scanner = JsonScanner()
     scanner.feed(b'<tool_call>\n{"name": "f", "arguments": {"city": "Vie')

@@ -49,6 +49,79 @@ def test_request_lifecycle(manager, encode, tiny_tokenizer) -> None:
     assert report["backend"] == "llguidance" and report["path"] == "exact" and report["valid"] is True
 
 
+def test_rows_expected_narrow_are_filled_and_listed_first_without_waiting_for_the_others(
+    manager, backends, info, encode
+) -> None:
+    """`narrow_rows` waits for the rows expected narrow only (filled, then listed, on the mask thread); the other
+    rows filled ahead (here one that needs its whole mask, on a backend that takes its time) are waited for by
+    the processor's call, after the lm_head."""
+    import threading
+
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured.pick_hints import PickHints
+
+    release = threading.Event()
+
+    class SlowBackend:
+        def fill_bitmask_batch(self, items, bitmask) -> None:
+            assert release.wait(30)
+            for _, row in items:
+                bitmask[row].fill_(-1)
+
+    slow = SimpleNamespace(backend=SlowBackend(), checks_tokens_cheaply=False)
+    digit = backends["llguidance"].compile(StructuredOutputsParams(regex=r"[0-9]").to_spec())
+    seqs = [
+        SimpleNamespace(
+            grammar=digit,
+            params=SamplingParams(),
+            structured=SimpleNamespace(pick_hints=PickHints(), hint_context=None),
+        ),
+        SimpleNamespace(grammar=slow, params=SamplingParams(top_p=0.9)),  # its mask is needed whole
+    ]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
+    processor.narrow_limit = 64
+    processor.prepare(seqs)
+    narrow = processor.narrow_rows(seqs, info.vocab_size)
+    assert not release.is_set()  # returned while the other row is still being filled
+    digits = sorted(encode(str(d))[0] for d in range(10))
+    assert list(narrow) == [0] and narrow[0].tolist() == digits
+    release.set()
+    mask = processor(torch.zeros(len(seqs), info.vocab_size), seqs)
+    assert mask is not None and mask.rows == [0, 1] and mask.eager == [0] and not mask.unfilled
+    assert bool((mask.bitmask[1] == -1).all())  # the slow row was filled before the sampler got it
+    assert mask.allowed[0].tolist() == digits
+    # Listed up to the bitmask's width: ids past the model's vocabulary are left out.
+    processor.prepare(seqs)
+    assert processor.narrow_rows(seqs, digits[5])[0].tolist() == digits[:5]
+
+
+def test_hint_context_tells_structural_points_value_starts_and_full_strings_apart(manager, encode) -> None:
+    from structgen.structured.json_scan import NUMBER, OBJECT, STRING
+
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 2}, "n": {"type": "integer"}},
+        "required": ["s", "n"],
+        "additionalProperties": False,
+    }
+    req = StructuredRequest(manager, StructuredOutputsParams(json=schema))
+    req.start()
+    contexts = []
+    for piece in ('{"s":', '"', "a", "b", '","n":', "1", "2"):
+        req.accept(encode(piece))
+        contexts.append(req.hint_context)
+    assert contexts == [
+        OBJECT << 8 | ord(":"),  # before a value
+        STRING << 8 | 0,  # a string with room: nothing forced
+        STRING << 8 | 0,
+        STRING << 8 | 1,  # at its maxLength: the closing quote is forced
+        OBJECT << 8 | ord(":"),
+        NUMBER,
+        NUMBER,
+    ]
+    assert len(set(contexts)) == 4
+
+
 def test_relaxed_request_retries_then_flags(manager, encode) -> None:
     req = StructuredRequest(
         manager, StructuredOutputsParams(json={"type": "array", "uniqueItems": True}, strict=True)
@@ -149,7 +222,7 @@ def test_a_deferred_row_is_masked_first_once_hinted(manager, backends, info, enc
     from structgen.structured.pick_hints import PickHints
 
     llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
-    request = SimpleNamespace(pick_hints=PickHints(), position=None)
+    request = SimpleNamespace(pick_hints=PickHints(), hint_context=None)
     seqs = [SimpleNamespace(grammar=llg, params=SamplingParams(), structured=request)]
     processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
     processor.prepare(seqs)
