@@ -73,8 +73,9 @@ def list_allowed_rows(
     where the kernels are built (`structgen.kernels.cpu_sparse_picks`), else row by row in numpy."""
     if not rows:
         return []
-    if _native() is not None and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1:
-        return _native().list_allowed(bitmask, rows, vocab, limit)
+    native = _native()
+    if native is not None and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1:
+        return native.list_allowed(bitmask, rows, vocab, limit)
     packed = bitmask.contiguous().numpy().view(np.uint8)
     return [allowed_token_ids(packed[row], vocab, limit) for row in rows]
 

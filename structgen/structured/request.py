@@ -44,8 +44,8 @@ class StructuredRequest:
 
     @property
     def position(self) -> int | None:
-        """The kind of position the output is at (the innermost JSON value open; None without a JSON view),
-        which `pick_hints` are kept by."""
+        """The innermost JSON value open (None without a JSON view): whether the output is inside a string, for
+        the n-gram proposer. `pick_hints` are kept by the finer `hint_context`."""
         return self.finisher.scanner.innermost if self.finisher is not None else None
 
     @property
