@@ -174,17 +174,22 @@ class StructuredLogitsProcessor:
         if not self.defer:
             return [], items, []
         narrow_first, ahead, deferred = [], [], []
+        tried: set[tuple[int, int | None]] = set()  # (hints, position) in doubt with a row filled this step
         for grammar, row in items:
             seq = seqs[row]
             params = getattr(seq, "params", None)
             lazy = params is not None and not needs_masked_distribution(params)
             request = getattr(seq, "structured", None)
             if self.narrow_limit and lazy and request is not None and row not in self._extra:
-                position = self._positions.get(row)
-                if request.pick_hints.expects_narrow(position):
-                    narrow_first.append((grammar, row))  # for its narrow logits (`narrow_rows`)
-                    continue
-                request.pick_hints.left_unfilled(position)
+                hints, position = request.pick_hints, self._positions.get(row)
+                if hints.expects_narrow(position):
+                    doubt = (id(hints), position)
+                    if hints.sure_narrow(position) or doubt not in tried:
+                        tried.add(doubt)
+                        narrow_first.append((grammar, row))  # for its narrow logits (`narrow_rows`)
+                        continue
+                else:
+                    hints.left_unfilled(position)
             if grammar.checks_tokens_cheaply and lazy and id(seq) not in self._hinted:
                 deferred.append(row)
             else:

@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 # hinted position's rate is multiplied by each time (about five hinted picks before the next lazy try).
 _WEIGHT = 0.3
 _HINT_ABOVE = 0.5
-_DECAY = 0.93
+_DECAY = 0.97
 # The narrow rate's weight of the newest filled row, the rate from which a row is filled ahead, and how far an
 # unfilled position's rate climbs back each step (a wide position is filled again after about ten steps).
 _NARROW_WEIGHT = 0.3
 _NARROW_ABOVE = 0.3
-_NARROW_RETRY = 0.01
+_NARROW_RETRY = 0.001
+# Below this rate a position is in doubt (tried again after being found wide, or sometimes narrow, sometimes
+# not): one row a step is filled ahead to find out, not every row of the batch at that position.
+_NARROW_SURE = 0.6
 
 
 @dataclass(slots=True)
@@ -57,6 +60,11 @@ class PickHints:
     def expects_narrow(self, context: int | None) -> bool:
         """Whether the mask at this kind of position is expected to allow few tokens (fill it ahead)."""
         return self.narrow.get(context, 1.0) > _NARROW_ABOVE
+
+    def sure_narrow(self, context: int | None) -> bool:
+        """Whether the mask at this kind of position has been narrow nearly every time (every row there may
+        be filled ahead; below, `expects_narrow` is a try)."""
+        return self.narrow.get(context, 1.0) > _NARROW_SURE
 
     def saw_width(self, context: int | None, *, narrow: bool) -> None:
         """A filled row's mask at this kind of position was narrow or not."""

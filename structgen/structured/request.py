@@ -50,24 +50,27 @@ class StructuredRequest:
 
     @property
     def hint_context(self) -> int | None:
-        """The kind of position `pick_hints` are kept by (None without a JSON view). Between values: the object
-        or array open and the last byte written outside strings (`:` before a value, `,` or `{` before a key,
-        `"` or a digit after a value), which tells a structural point from a value's start. Inside a string:
-        whether the grammar forces its next bytes (a string at its `maxLength` allows only its closing quote:
-        narrow; otherwise it is mostly wide), asked of the grammar (~2 µs). Inside a number: that."""
+        """The kind of position `pick_hints` are kept by (None without a JSON view): the member whose value is
+        being written (`JsonScanner.member`: a zip code's digits are not a name's letters), and within it,
+        between values: the object or array open and the last byte written outside strings (`:` before a
+        value, `,` or `{` before a key, `"` or a digit after a value), which tells a structural point from a
+        value's start; inside a string: whether the grammar forces its next bytes (a string at its `maxLength`
+        allows only its closing quote: narrow), asked of the grammar (~2 µs); inside a number: that."""
         scanner = self.finisher.scanner if self.finisher is not None else None
         if scanner is None:
             return None
         kind = scanner.innermost
         if kind in _BETWEEN_VALUES:
-            return kind << 8 | scanner.after
-        if kind == STRING and self.grammar is not None:
+            detail = kind << 8 | scanner.after
+        elif kind == STRING and self.grammar is not None:
             try:
                 forced = bool(self.grammar.forced_bytes())
             except Exception:  # a grammar bug surfaces where its mask is filled; here it only guesses
                 forced = False
-            return kind << 8 | forced
-        return kind
+            detail = kind << 8 | forced
+        else:
+            detail = kind or 0
+        return hash((detail, scanner.member))
 
     @property
     def initial_need(self) -> int | None:
@@ -84,6 +87,7 @@ class StructuredRequest:
         if self.grammar is None:
             self.compiled = compiled = self.future.result()
             self.grammar = compiled.new_grammar()
+            self.pick_hints = compiled.pick_hints  # learnt by every request of this compile
             if self.finisher is not None:
                 self.finisher.prepare((compiled.backend, *compiled.spec.key), compiled.new_grammar)
         return self.grammar
@@ -95,7 +99,6 @@ class StructuredRequest:
             child.grammar = self.grammar.clone()
         if self.finisher is not None:
             child.finisher = self.finisher.copy()
-        child.pick_hints = PickHints(dict(self.pick_hints.rates))
         return child
 
     def accept(self, token_ids: Sequence[int]) -> None:

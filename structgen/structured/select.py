@@ -12,12 +12,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from structgen.structured.backend import Grammar, StructuredBackend
 from structgen.structured.errors import CompileTimeoutError, UnsupportedSchemaError
 from structgen.structured.normalize import SchemaChange, ServingPath, normalize_schema, serving_path
+from structgen.structured.pick_hints import PickHints
 from structgen.structured.relax import relax
 from structgen.structured.schema_walk import resolve_pointer
 from structgen.structured.spec import StructuredSpec
@@ -39,6 +40,8 @@ class CompiledSpec:
     prototype: Grammar
     compile_time_s: float
     refusals: tuple[str, ...] = ()
+    # How lazy picks fared where, for every request this compile serves (a cost guess; see `pick_hints`).
+    pick_hints: PickHints = field(default_factory=PickHints, compare=False, repr=False)
 
     @property
     def needs_validation(self) -> bool:

@@ -56,3 +56,27 @@ def test_wrapper_text_is_skipped_and_offsets_are_absolute() -> None:
     assert scanner.stack[0][1] == len(b"<tool_call>\n")
     scanner.feed(b'nna"}}\n</tool_call>')
     assert scanner.stack == []
+
+
+def member(text: bytes, *, chunk: int) -> int:
+    scanner = JsonScanner()
+    for i in range(0, len(text), chunk):
+        scanner.feed(text[i : i + chunk])
+    assert scanner.copy().member == scanner.member
+    return scanner.member
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 100])
+def test_member_names_the_keys_of_the_open_objects_however_the_text_was_split(chunk: int) -> None:
+    whole = {text: member(text, chunk=100) for text in (b'{"zip": "1', b'{"name": "1', b'{"a": {"zip": "1')}
+    assert len(set(whole.values())) == 3  # the same value position under different members
+    for text, value in whole.items():
+        assert member(text, chunk=chunk) == value
+    assert member(b"", chunk=chunk) == 0 and member(b"[1, ", chunk=chunk) == 0  # outside any object
+    # A value's string is not a key; items of an array share the array's member; a closed object is left.
+    assert member(b'{"zip": "12", "x', chunk=chunk) == member(b'{"zip": "1', chunk=chunk)
+    assert member(b'{"l": [{"id": 1}, {"id": 2', chunk=chunk) == member(b'{"l": [{"id": 1', chunk=chunk)
+    assert member(b'{"a": {"zip": 1}, "b": 2', chunk=chunk) == member(b'{"b": 2', chunk=chunk)
+    # Escapes are part of the key's bytes; a key with an escaped quote is one key.
+    assert member(b'{"z\\"ip": 1', chunk=chunk) != member(b'{"zip": 1', chunk=chunk)
+    assert member(b'{"z\\"ip": "q', chunk=chunk) == member(b'{"z\\"ip": 1', chunk=chunk)

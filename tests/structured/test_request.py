@@ -95,31 +95,66 @@ def test_rows_expected_narrow_are_filled_and_listed_first_without_waiting_for_th
     assert processor.narrow_rows(seqs, digits[5])[0].tolist() == digits[:5]
 
 
-def test_hint_context_tells_structural_points_value_starts_and_full_strings_apart(manager, encode) -> None:
-    from structgen.structured.json_scan import NUMBER, OBJECT, STRING
+def test_a_position_in_doubt_is_filled_ahead_for_one_row_a_step(manager, backends, info, encode) -> None:
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured.pick_hints import PickHints
 
+    digit = backends["llguidance"].compile(StructuredOutputsParams(regex=r"[0-9]").to_spec())
+    doubtful, sure = PickHints(), PickHints()
+    doubtful.saw_width(None, narrow=False)
+    doubtful.saw_width(None, narrow=False)  # found wide lately: expected narrow, but only as a try
+    seqs = [
+        SimpleNamespace(
+            grammar=digit,
+            params=SamplingParams(),
+            structured=SimpleNamespace(pick_hints=hints, hint_context=None),
+        )
+        for hints in (doubtful, doubtful, doubtful, sure, sure)
+    ]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
+    processor.narrow_limit = 64
+    processor.prepare(seqs)
+    assert sorted(processor.narrow_rows(seqs, info.vocab_size)) == [0, 3, 4]
+    assert doubtful.sure_narrow(None)  # its row was narrow: every row there is filled ahead again
+    processor(torch.zeros(len(seqs), info.vocab_size), seqs)
+    processor.prepare(seqs)
+    assert sorted(processor.narrow_rows(seqs, info.vocab_size)) == [0, 1, 2, 3, 4]
+
+
+def test_hint_context_tells_positions_and_members_apart(manager, encode) -> None:
     schema = {
         "type": "object",
-        "properties": {"s": {"type": "string", "maxLength": 2}, "n": {"type": "integer"}},
-        "required": ["s", "n"],
+        "properties": {
+            "s": {"type": "string", "maxLength": 2},
+            "n": {"type": "integer"},
+            "t": {"type": "string"},
+        },
+        "required": ["s", "n", "t"],
         "additionalProperties": False,
     }
     req = StructuredRequest(manager, StructuredOutputsParams(json=schema))
     req.start()
     contexts = []
-    for piece in ('{"s":', '"', "a", "b", '","n":', "1", "2"):
+    for piece in ('{"s":', '"', "a", "b", '","n":', "1", "2", ',"t":', '"', "a"):
         req.accept(encode(piece))
         contexts.append(req.hint_context)
-    assert contexts == [
-        OBJECT << 8 | ord(":"),  # before a value
-        STRING << 8 | 0,  # a string with room: nothing forced
-        STRING << 8 | 0,
-        STRING << 8 | 1,  # at its maxLength: the closing quote is forced
-        OBJECT << 8 | ord(":"),
-        NUMBER,
-        NUMBER,
-    ]
-    assert len(set(contexts)) == 4
+    before_s, in_s, in_s_again, s_full, before_n, in_n, in_n_again, before_t, in_t, in_t_again = contexts
+    assert (in_s, in_n, in_t) == (in_s_again, in_n_again, in_t_again)  # same position, same context
+    # A string with room differs from one at its maxLength (its closing quote forced), a value's start from
+    # its content, and each member from the others.
+    assert len({before_s, in_s, s_full, before_n, in_n, before_t, in_t}) == 7
+
+
+def test_requests_of_one_compile_share_their_pick_hints(manager) -> None:
+    first, second, other = (
+        StructuredRequest(manager, StructuredOutputsParams(json=schema))
+        for schema in ({"type": "integer"}, {"type": "integer"}, {"type": "boolean"})
+    )
+    for req in (first, second, other):
+        req.start()
+    assert first.pick_hints is second.pick_hints  # what one request learnt, the next starts with
+    assert other.pick_hints is not first.pick_hints
+    assert first.fork().pick_hints is first.pick_hints
 
 
 def test_relaxed_request_retries_then_flags(manager, encode) -> None:
