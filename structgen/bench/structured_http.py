@@ -26,6 +26,7 @@ sides (a tag in the prompt) so neither side hits the other's prompts in the shar
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -43,7 +44,7 @@ from structgen.bench.structured_shapes import (
 
 # The two sides, in the order of even passes.
 SIDES = ("unconstrained", "json")
-_POLL_S = 0.002  # how often this process looks at the engine's step counter
+_CHECK_CLIENTS_S = 0.1  # how often a wait for a step boundary checks that the client process still runs
 _DRAIN_TIMEOUT_S = 120.0
 
 
@@ -61,10 +62,38 @@ def _workload(name: str, shape: str, first_index: int, *, side: str, max_tokens:
 
 
 class _Counters:
-    """The served engine's step, sampled-token and forced-token counts (plain ints: read from this thread)."""
+    """The served engine's step, sampled-token and forced-token counts, and the time of the step boundary a
+    window waits for. A hook on the engine's `step` (in the engine's thread, a comparison a step) takes them
+    as the boundary's step ends and wakes this thread, which sleeps meanwhile. It used to poll every 2 ms: a
+    thread taking the GIL ~500 times a second slowed the constrained side's steps by ~10% on `tiny` (whose
+    forward hands the GIL back and forth at every op while the mask thread, the server and the clients share
+    the other core) and the unconstrained side's not at all (BENCHMARKS.md, session 17). A context manager:
+    the hook is removed on exit."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self._target: int | None = None  # the step count to wake at, set by `boundary`
+        self._hit = threading.Event()
+        self._at: tuple[float, tuple[int, int, int]] | None = None
+
+    def __enter__(self) -> _Counters:
+        llm = self.engine.engine
+        step = llm.step
+
+        def step_and_note() -> Any:
+            outputs = step()
+            target = self._target
+            if target is not None and llm.counters.num_steps >= target:
+                self._target = None
+                self._at = (time.monotonic(), self.read())
+                self._hit.set()
+            return outputs
+
+        llm.step = step_and_note  # the instance's attribute: the engine's thread looks it up every step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.engine.step
 
     def read(self) -> tuple[int, int, int]:
         llm = self.engine.engine
@@ -75,13 +104,14 @@ class _Counters:
         )
 
     def boundary(self, after: int, clients: ClientProcess) -> tuple[float, tuple[int, int, int]]:
-        """The time and counts at the first step boundary once `after` steps have run (polled)."""
-        while True:
-            now = self.read()
-            if now[0] >= after:
-                return time.monotonic(), now
+        """The time and counts at the end of the first step that brings the count to `after` or past it (the
+        next step, if the engine is there already)."""
+        self._hit.clear()
+        self._target = after
+        while not self._hit.wait(_CHECK_CLIENTS_S):
             clients.raise_if_failed()
-            time.sleep(_POLL_S)
+        assert self._at is not None
+        return self._at
 
     def drained(self) -> None:
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
@@ -126,8 +156,7 @@ def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **optio
     checks = {"unconstrained": None, "json": validator(SHAPES[shape])}
     next_index = dict.fromkeys(SIDES, 0)  # a new prompt and seed per request, per side
     window_rates: dict[str, list[float]] = {side: [] for side in SIDES}
-    counters = _Counters(engine)
-    with ClientProcess(url, concurrency=concurrency) as clients:
+    with _Counters(engine) as counters, ClientProcess(url, concurrency=concurrency) as clients:
         for side in SIDES:  # warm-up: the schema compiled, the server's paths exercised once
             clients.once(_workload(name, shape, -1, side=side, max_tokens=8).body(-1))
         for p in range(passes):
