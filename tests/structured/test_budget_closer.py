@@ -206,6 +206,28 @@ def test_closer_keeps_the_completion_when_the_model_writes_part_of_its_first_tok
     assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
 
 
+def test_an_output_writing_the_completion_in_more_tokens_at_its_limit_is_out_of_reach_without_a_walk(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At its limit, the model writes the start of the completion's first token as a token of its own: the
+    rest of the completion is the walk's own continuation but no longer fits, so the closer says so (the engine
+    then takes the completion from before the token) without walking again."""
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = compile_schema(backends["llguidance"], _TASKS)
+    assert run.step(encode('[{"status":"'), 90)
+    plan = run.closer.plan
+    assert plan is not None and byte_tokens.text(list(plan)).startswith(b"blocked")
+    walks = _count_walks(monkeypatch)
+    ids = encode("bl")
+    assert len(ids) == 1 and byte_tokens.text([plan[0]]) != b"bl"
+    assert not run.step(ids, len(plan) - 1)  # the completion took every token left before this one
+    assert walks == [] and run.closer.fallback == plan
+    assert run.closer.need is not None and run.closer.need >= len(plan)
+
+
 _SCORES = {
     "type": "array",
     "minItems": 4,
