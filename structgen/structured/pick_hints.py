@@ -1,23 +1,27 @@
-"""Which constrained rows the sampler should mask before picking: a per-request guess from how its lazy picks
-fared so far at the same kind of position.
+"""Which constrained rows the sampler should mask before picking: a guess from how lazy picks fared so far at
+the same kind of position, learnt by every request of one compiled spec.
 
 The sampler picks a constrained row from its unmasked logits first and masks it only when the pick is not
 allowed (`structgen.engine.token_mask`): free for a model that follows its format, and costly where it does
 not (a rejected row is drawn again, then listed or masked and drawn once more). A hinted row skips the unmasked
 pick and goes straight to the cheap pick among its few allowed tokens. Whether a pick will be rejected depends
 on the model and on where the output stands: a real model writes the digits a number needs, a random one
-almost never does, while both get most characters of a string right. So each request keeps, per kind of
-position (`StructuredRequest.hint_context`: inside a number; inside a string, with or without its next bytes
-forced; between values, by the object or array open and the last byte written, `:` before a value, `,` after
-one; one kind for non-JSON grammars), a running rate of rejected lazy picks, and a row is hinted where that rate
-is high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
+almost never does, while both get most characters of a string right. So each compiled spec keeps
+(`CompiledSpec.pick_hints`, shared by its requests: a new output starts with what the ones before it learnt), per
+kind of position (`StructuredRequest.hint_context`: the member being written, by the keys of the open objects,
+and within it: inside a number; inside a string, with or without its next bytes forced; between values, by the
+object or array open and the last byte written, `:` before a value, `,` after one; one kind for non-JSON
+grammars), a running rate of rejected lazy picks, and a row is hinted where that rate is high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
 that learns the format (or a position that changed nature) stops being hinted. The hint changes cost only,
 never which token is drawn (see `token_mask`).
 
-The same request also keeps, per kind of position, how often its mask there was narrow (a few allowed tokens:
+The same table also keeps, per kind of position, how often the mask there was narrow (a few allowed tokens:
 a digit, `true`/`false`, `,` or `]`), measured on rows whose mask was filled. A row expected narrow is filled
 on the mask thread during the forward, so that its logits can be computed for its allowed tokens alone
-(`structgen.engine.narrow_logits`); a position found wide is left unfilled, and tried again now and then.
+(`structgen.engine.narrow_logits`); a position found wide is left unfilled, and tried again now and then; a
+position in doubt (found wide lately, or narrow only sometimes) is tried on one row a step, not on every row of
+the batch that stands there. Rates move per row, and a batch feeds many rows a step into one table: the retries
+are spaced in rows accordingly.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ _NARROW_SURE = 0.6
 
 @dataclass(slots=True)
 class PickHints:
-    """One request's rejection rates by kind of position (`context`: any hashable; None for no JSON view)."""
+    """The rejection and narrow rates of one compiled spec's requests by kind of position (`context`: any
+    hashable; None for no JSON view)."""
 
     rates: dict[int | None, float] = field(default_factory=dict)
     narrow: dict[int | None, float] = field(default_factory=dict)  # by kind of position; 1.0 until measured
