@@ -276,9 +276,8 @@ class BudgetCloser:
         candidates.extend(previous[k:] for k in range(1, min(_SKIPS, len(previous)) + 1))
         eos = tokens.eos
         for rest in candidates:
-            if (len(rest) <= left or rest is exact) and grammar.validate_tokens((*rest, eos)) == len(
-                rest
-            ) + 1:
+            within = len(rest) <= left or rest is exact
+            if within and grammar.validate_tokens((*rest, eos)) == len(rest) + 1:
                 return rest
         return None
 

@@ -2,9 +2,9 @@
 
 The closing walk reads it to know whether it is inside a string (where `}` and `]` are content, not closers),
 the loop guard to find the value a repetition sits in, and the pick hints which member's value is being written
-(`member`: the keys of the open objects, so that a zip code's digits are told from a name's letters). It is a scanner, not a validator: the grammar has
-already checked every byte. Text outside any JSON value (a tool-call wrapper such as `<tool_call>`) is
-skipped, except that a quote, a digit, `{` or `[` there starts a value.
+(`member`: the keys of the open objects, so that a zip code's digits are told from a name's letters). It is a
+scanner, not a validator: the grammar has already checked every byte. Text outside any JSON value (a tool-call
+wrapper such as `<tool_call>`) is skipped, except that a quote, a digit, `{` or `[` there starts a value.
 """
 
 from __future__ import annotations

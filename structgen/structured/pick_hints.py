@@ -11,8 +11,9 @@ almost never does, while both get most characters of a string right. So each com
 kind of position (`StructuredRequest.hint_context`: the member being written, by the keys of the open objects,
 and within it: inside a number; inside a string, with or without its next bytes forced; between values, by the
 object or array open and the last byte written, `:` before a value, `,` after one; one kind for non-JSON
-grammars), a running rate of rejected lazy picks, and a row is hinted where that rate is high. A hinted position's rate decays a little each time, so it is tried lazily again now and then: a model
-that learns the format (or a position that changed nature) stops being hinted. The hint changes cost only,
+grammars), a running rate of rejected lazy picks, and a row is hinted where that rate is high. A hinted
+position's rate decays a little each time, so it is tried lazily again now and then: a model that learns the
+format (or a position that changed nature) stops being hinted. The hint changes cost only,
 never which token is drawn (see `token_mask`).
 
 The same table also keeps, per kind of position, how often the mask there was narrow (a few allowed tokens:
@@ -29,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Weight of the newest lazy pick in the running rate; the rate above which a position is hinted; the factor a
-# hinted position's rate is multiplied by each time (about five hinted picks before the next lazy try).
+# hinted position's rate is multiplied by each time (about fifteen hinted rows before the next lazy try).
 _WEIGHT = 0.3
 _HINT_ABOVE = 0.5
 _DECAY = 0.97
 # The narrow rate's weight of the newest filled row, the rate from which a row is filled ahead, and how far an
-# unfilled position's rate climbs back each step (a wide position is filled again after about ten steps).
+# unfilled position's rate climbs back each row left unfilled (a wide position is filled again after ~90 rows).
 _NARROW_WEIGHT = 0.3
 _NARROW_ABOVE = 0.3
 _NARROW_RETRY = 0.001
