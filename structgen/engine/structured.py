@@ -87,7 +87,9 @@ class StructuredOutputs:
         is already known (a cached failure), so the caller can reject the request synchronously."""
         from structgen.structured import StructuredRequest
 
-        request = StructuredRequest(self.ensure_manager(), params)
+        sampling = getattr(seq, "params", None)
+        seeded = sampling is not None and sampling.seed is not None
+        request = StructuredRequest(self.ensure_manager(), params, share_hints=not seeded)
         future = request.future
         if future.done() and future.exception() is not None:
             raise future.exception()  # type: ignore[misc]

@@ -30,15 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Weight of the newest lazy pick in the running rate; the rate above which a position is hinted; the factor a
-# hinted position's rate is multiplied by each time (about fifteen hinted rows before the next lazy try).
+# hinted position's rate is multiplied by each time (one request's: about five hinted picks before the next lazy
+# try; a compile's, fed by a whole batch: about fifteen rows).
 _WEIGHT = 0.3
 _HINT_ABOVE = 0.5
-_DECAY = 0.97
+_DECAY = 0.93
+_SHARED_DECAY = 0.97
 # The narrow rate's weight of the newest filled row, the rate from which a row is filled ahead, and how far an
-# unfilled position's rate climbs back each row left unfilled (a wide position is filled again after ~90 rows).
+# unfilled position's rate climbs back each row left unfilled (one request's: a wide position filled again after
+# about ten steps; a compile's: after ~90 rows).
 _NARROW_WEIGHT = 0.3
 _NARROW_ABOVE = 0.3
-_NARROW_RETRY = 0.001
+_NARROW_RETRY = 0.01
+_SHARED_NARROW_RETRY = 0.001
 # Below this rate a position is in doubt (tried again after being found wide, or sometimes narrow, sometimes
 # not): one row a step is filled ahead to find out, not every row of the batch at that position.
 _NARROW_SURE = 0.6
@@ -51,6 +55,13 @@ class PickHints:
 
     rates: dict[int | None, float] = field(default_factory=dict)
     narrow: dict[int | None, float] = field(default_factory=dict)  # by kind of position; 1.0 until measured
+    decay: float = _DECAY
+    narrow_retry: float = _NARROW_RETRY
+
+    @classmethod
+    def shared(cls) -> PickHints:
+        """A table for every request of one compile (`CompiledSpec.pick_hints`): retries spaced for a batch."""
+        return cls(decay=_SHARED_DECAY, narrow_retry=_SHARED_NARROW_RETRY)
 
     def hinted(self, context: int | None) -> bool:
         """Whether a pick at this kind of position is expected to be rejected (mask first)."""
@@ -61,7 +72,7 @@ class PickHints:
         self.rates[context] = rate + _WEIGHT * (float(rejected) - rate)
 
     def picked_hinted(self, context: int | None) -> None:
-        self.rates[context] = self.rates.get(context, 0.0) * _DECAY
+        self.rates[context] = self.rates.get(context, 0.0) * self.decay
 
     def expects_narrow(self, context: int | None) -> bool:
         """Whether the mask at this kind of position is expected to allow few tokens (fill it ahead)."""
@@ -80,4 +91,4 @@ class PickHints:
     def left_unfilled(self, context: int | None) -> None:
         """Not filled ahead this step (expected wide): the expectation fades towards another try."""
         rate = self.narrow.get(context, 1.0)
-        self.narrow[context] = rate + _NARROW_RETRY
+        self.narrow[context] = rate + self.narrow_retry

@@ -29,8 +29,14 @@ _BETWEEN_VALUES = (OBJECT, ARRAY)
 
 
 class StructuredRequest:
-    def __init__(self, manager: StructuredOutputManager, params: StructuredOutputsParams):
+    def __init__(
+        self, manager: StructuredOutputManager, params: StructuredOutputsParams, *, share_hints: bool = True
+    ):
         self.params = params
+        # Pick hints change which path draws a row (lazily, or among its allowed tokens), so for the same seed
+        # the token drawn: a seeded request keeps its own, so that its output depends on it alone (not on the
+        # other requests of its compile or the batch's history: preemption, arrival order).
+        self.share_hints = share_hints
         self.spec = params.to_spec()
         self.future: Future[CompiledSpec] = manager.submit(self.spec)
         self.max_retries = manager.config.max_validation_retries
@@ -50,12 +56,13 @@ class StructuredRequest:
 
     @property
     def hint_context(self) -> int | None:
-        """The kind of position `pick_hints` are kept by (None without a JSON view): the member whose value is
-        being written (`JsonScanner.member`: a zip code's digits are not a name's letters), and within it,
-        between values: the object or array open and the last byte written outside strings (`:` before a
-        value, `,` or `{` before a key, `"` or a digit after a value), which tells a structural point from a
-        value's start; inside a string: whether the grammar forces its next bytes (a string at its `maxLength`
-        allows only its closing quote: narrow), asked of the grammar (~2 µs); inside a number: that."""
+        """The kind of position `pick_hints` are kept by (None without a JSON view): where the hints are shared,
+        the member whose value is being written (`JsonScanner.member`: a zip code's digits are not a name's
+        letters), and within it, between values: the object or array open and the last byte written outside
+        strings (`:` before a value, `,` or `{` before a key, `"` or a digit after a value), which tells a
+        structural point from a value's start; inside a string: whether the grammar forces its next bytes (a
+        string at its `maxLength` allows only its closing quote: narrow), asked of the grammar (~2 µs); inside
+        a number: that."""
         scanner = self.finisher.scanner if self.finisher is not None else None
         if scanner is None:
             return None
@@ -70,7 +77,9 @@ class StructuredRequest:
             detail = kind << 8 | forced
         else:
             detail = kind or 0
-        return hash((detail, scanner.member))
+        # By member only where the hints are shared: a request alone would meet each member afresh (every
+        # wide one filled ahead once to learn it is wide), where a compile's requests learn it once.
+        return hash((detail, scanner.member)) if self.share_hints else detail
 
     @property
     def initial_need(self) -> int | None:
@@ -87,7 +96,8 @@ class StructuredRequest:
         if self.grammar is None:
             self.compiled = compiled = self.future.result()
             self.grammar = compiled.new_grammar()
-            self.pick_hints = compiled.pick_hints  # learnt by every request of this compile
+            if self.share_hints:
+                self.pick_hints = compiled.pick_hints  # learnt by every request of this compile
             if self.finisher is not None:
                 self.finisher.prepare((compiled.backend, *compiled.spec.key), compiled.new_grammar)
         return self.grammar
@@ -99,6 +109,8 @@ class StructuredRequest:
             child.grammar = self.grammar.clone()
         if self.finisher is not None:
             child.finisher = self.finisher.copy()
+        if not self.share_hints:
+            child.pick_hints = PickHints(dict(self.pick_hints.rates))
         return child
 
     def accept(self, token_ids: Sequence[int]) -> None:

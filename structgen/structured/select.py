@@ -41,7 +41,7 @@ class CompiledSpec:
     compile_time_s: float
     refusals: tuple[str, ...] = ()
     # How lazy picks fared where, for every request this compile serves (a cost guess; see `pick_hints`).
-    pick_hints: PickHints = field(default_factory=PickHints, compare=False, repr=False)
+    pick_hints: PickHints = field(default_factory=PickHints.shared, compare=False, repr=False)
 
     @property
     def needs_validation(self) -> bool:

@@ -155,6 +155,14 @@ def test_requests_of_one_compile_share_their_pick_hints(manager) -> None:
     assert first.pick_hints is second.pick_hints  # what one request learnt, the next starts with
     assert other.pick_hints is not first.pick_hints
     assert first.fork().pick_hints is first.pick_hints
+    # A seeded request keeps its own (the path a row is drawn by picks the token for a given seed), and so
+    # does each of its samples.
+    seeded = StructuredRequest(manager, StructuredOutputsParams(json={"type": "integer"}), share_hints=False)
+    seeded.start()
+    assert seeded.pick_hints is not first.pick_hints
+    seeded.pick_hints.picked_lazily(None, rejected=True)
+    sibling = seeded.fork()
+    assert sibling.pick_hints is not seeded.pick_hints and sibling.pick_hints.rates == seeded.pick_hints.rates
 
 
 def test_relaxed_request_retries_then_flags(manager, encode) -> None:
