@@ -36,6 +36,7 @@ SOURCES = (
     "cpu_decode_step.cpp",
     "cpu_lora.cpp",
     "cpu_sparse_picks.cpp",
+    "cpu_inverse_cdf.cpp",
 )
 HEADERS = ("cpu_common.h", "cpu_kernels.h", "cpu_woq_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")

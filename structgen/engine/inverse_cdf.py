@@ -6,10 +6,16 @@ float64 but on small tensors ([B, V / block] and [B, block]): a float64 cumsum o
 6e-8 steps near 1.0 would be drawn at quantised rates, or never where the cumsum accumulates in float32 (CUDA).
 
 The block sums are kept (`InverseCdf`), so drawing again from the same rows costs only the two searches and a
-gather of one block per row: the sampler redraws this way when the structured-output mask rejects a pick.
+gather of one block per row: the sampler redraws this way when the structured-output mask rejects a pick. On
+the CPU one native call does the draw (`structgen.kernels.cpu_inverse_cdf`, where the kernels are built): the
+torch path below is ~20 small ops, ~130-180 µs a call however few rows it draws, and a structured step draws
+several times (redraws after rejected picks, draws under the mask); the native call gives the same tokens.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -40,6 +46,21 @@ class InverseCdf:
 
     def draw(self, uniforms: Tensor, rows: Tensor | None = None) -> Tensor:
         """One token id per uniform in [0, 1): from every row, or from rows `rows` (a long tensor) only."""
+        probs = self.probs
+        if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.stride(-1) == 1:
+            native = _native()
+            if native is not None:
+                return native.draw(
+                    probs,
+                    self.block_cum,
+                    uniforms.to(torch.float64).contiguous(),
+                    self.block,
+                    None if rows is None else rows.to(torch.long).contiguous(),
+                )
+        return self.draw_reference(uniforms, rows)
+
+    def draw_reference(self, uniforms: Tensor, rows: Tensor | None = None) -> Tensor:
+        """`draw` in torch ops (any device): the reference the native draw is tested against."""
         probs, block, vocab = self.probs, self.block, self.probs.shape[1]
         block_cum = self.block_cum if rows is None else self.block_cum.index_select(0, rows)
         num_blocks = block_cum.shape[1]
@@ -58,6 +79,15 @@ class InverseCdf:
         fraction = ((target - before) / block_mass).clamp_(0.0, 1.0)
         position = search(inner_cum, fraction * inner_cum[:, -1:]).clamp_max(block - 1)
         return (chosen_block * block + position).squeeze(1).clamp_max(vocab - 1)
+
+
+@functools.cache
+def _native() -> ModuleType | None:
+    """`structgen.kernels.cpu_inverse_cdf` when the native kernels are built here (the first call may build
+    them), else None."""
+    from structgen.kernels import cpu_inverse_cdf
+
+    return cpu_inverse_cdf if cpu_inverse_cdf.available() else None
 
 
 def search(cum: Tensor, target: Tensor) -> Tensor:

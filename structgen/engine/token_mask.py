@@ -76,14 +76,9 @@ class TokenMask:
             elif token < words * 32:  # a token beyond the mask is never allowed
                 allowed[j] = check(token)
         if read:
-            device = self.bitmask.device
-            index = torch.tensor([rows[j] for j in read], dtype=torch.long, device=device)
-            picked = torch.tensor([tokens[j] for j in read], dtype=torch.long)
-            word = picked >> 5
-            bits = self.bitmask[index, word.clamp_max(words - 1).to(device)].cpu()
-            for j, good in zip(
-                read, (((bits >> (picked & 31)) & 1).bool() & (word < words)).tolist(), strict=True
-            ):
+            read_bits = _bits_on_cpu if self.bitmask.device.type == "cpu" else _bits_by_tensor_ops
+            found = read_bits(self.bitmask, [rows[j] for j in read], [tokens[j] for j in read])
+            for j, good in zip(read, found, strict=True):
                 allowed[j] = good
         return allowed
 
@@ -115,3 +110,27 @@ class TokenMask:
             eager=[position[r] for r in self.eager if r in position],
             allowed={position[r]: ids for r, ids in self.allowed.items() if r in position},
         )
+
+
+def _bits_on_cpu(bitmask: torch.Tensor, rows: list[int], tokens: list[int]) -> list[bool]:
+    """Bit `tokens[j]` of bitmask row `rows[j]` (False past the mask's width), through a numpy view: ~1 µs a
+    row, where the tensor ops of `_bits_by_tensor_ops` cost ~50-100 µs a call, and the sampler reads bits after
+    every draw again for the rows the mask rejected."""
+    words = bitmask.shape[1]
+    view = bitmask.numpy()
+    return [
+        0 <= (token >> 5) < words and (int(view[row, token >> 5]) >> (token & 31)) & 1 == 1
+        for row, token in zip(rows, tokens, strict=True)
+    ]
+
+
+def _bits_by_tensor_ops(bitmask: torch.Tensor, rows: list[int], tokens: list[int]) -> list[bool]:
+    """`_bits_on_cpu` for a bitmask on any device: one gather of the words, shifted and masked on the CPU."""
+    words = bitmask.shape[1]
+    device = bitmask.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    picked = torch.tensor(tokens, dtype=torch.long)
+    word = picked >> 5
+    bits = bitmask[index, word.clamp(0, words - 1).to(device)].cpu()
+    inside = (word >= 0) & (word < words)
+    return (((bits >> (picked & 31)) & 1).bool() & inside).tolist()

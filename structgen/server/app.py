@@ -10,7 +10,7 @@ limits, metrics and the lifecycle (`app.state.server`).
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -103,10 +103,12 @@ def build_app(
     return app
 
 
-def _auth(api_key: str | None) -> Callable[[Request], None]:
+def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
-    def check(request: Request) -> None:
+    # A coroutine, not a plain function: FastAPI runs a plain dependency in its thread pool, a thread handoff
+    # (and, under load, new threads) for every request, all for a header comparison.
+    async def check(request: Request) -> None:
         if expected is None:
             return
         given = request.headers.get("authorization", "").encode()

@@ -13,7 +13,7 @@ from test_sampler import make_row, random_logits
 
 from structgen.engine.fast_picks import SPARSE_LIMIT
 from structgen.engine.sampler import Sampler, SamplerError
-from structgen.engine.token_mask import TokenMask
+from structgen.engine.token_mask import TokenMask, _bits_by_tensor_ops, _bits_on_cpu
 from structgen.sampling_params import SamplingParams
 from structgen.structured.bitmask import allocate_token_bitmask, allow_tokens, apply_token_bitmask_
 
@@ -34,6 +34,24 @@ def test_allows_reads_one_bit_per_row_and_subset_reindexes() -> None:
     assert mask.allows([0], torch.tensor([100_000])) == [False]  # beyond the mask: never allowed
     sub = mask.subset([2, 1])
     assert sub.rows == [0] and sub.allows([0, 1], torch.tensor([63, 5])) == [True, True]
+
+
+def test_the_cpu_bit_reader_matches_the_tensor_one() -> None:
+    """`allows` reads bits through a numpy view on the CPU and through tensor ops elsewhere: the same answers,
+    bit 31 of a word (a negative int32) and tokens past the mask's width included."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 1_000
+    allowed = [
+        [*torch.randperm(vocab, generator=gen)[: 50 * (r + 1)].tolist(), 31, 63, 991] for r in range(4)
+    ]
+    bitmask = mask_allowing(vocab, allowed)
+    assert int(bitmask.min()) < 0  # some words have their top bit set
+    rows = [r for r in range(4) for _ in range(300)]
+    tokens = torch.randint(0, bitmask.shape[1] * 32 + 40, (len(rows),), generator=gen).tolist()
+    tokens[:3] = [31, 63, bitmask.shape[1] * 32]
+    expected = [token in allowed[row] for row, token in zip(rows, tokens, strict=True)]
+    assert _bits_on_cpu(bitmask, rows, tokens) == expected
+    assert _bits_by_tensor_ops(bitmask, rows, tokens) == expected
 
 
 @pytest.mark.parametrize("seed", range(4))
