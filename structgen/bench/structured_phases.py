@@ -177,4 +177,37 @@ def format_table(columns: dict[str, dict[str, float]]) -> str:
         if row not in ("step", OTHER) and not any(cells):
             continue  # a phase neither side went through (e.g. the structured ones of a plain run)
         lines.append(f"  {row:28}" + "".join(f"{cell:15.3f}" for cell in cells))
+    if "unconstrained" in columns and "json" in columns:
+        lines.append(format_split(model_work_split(columns["unconstrained"], columns["json"])))
     return "\n".join(lines)
+
+
+# The phases that run the model: what the JSON side's forced runs and new prompts add to a step.
+MODEL_PHASES = ("forward", LOGITS)
+
+
+def model_work_split(plain: dict[str, float], constrained: dict[str, float]) -> dict[str, float]:
+    """Where the constrained step's extra time goes (two sides' `PhaseTotals.ms_per_step`, both sampling a token
+    per row of the same batch): `model_ms`, the forward and lm_head beyond the plain side's (forced runs and
+    new prompts go through the forward; narrow rows make the lm_head cheaper); `rest_ms`, the rest of the step
+    beyond the plain side's (the structured work: masks, picks, accepts, jump-forward, closing, checks);
+    `ratio_forward_equal`, the plain step over the constrained step with its forward at the plain one's (the
+    sampled-only ratio if forced and prompt tokens cost the forward nothing, as extra rows nearly do on a
+    memory-bound device; on two compute-bound cores they cost a row each)."""
+    model = sum(constrained.get(p, 0.0) - plain.get(p, 0.0) for p in MODEL_PHASES)
+    rest = (constrained["step"] - plain["step"]) - model
+    forward = constrained.get("forward", 0.0) - plain.get("forward", 0.0)
+    return {
+        "model_ms": round(model, 3),
+        "rest_ms": round(rest, 3),
+        "ratio_forward_equal": round(plain["step"] / (constrained["step"] - forward), 3),
+    }
+
+
+def format_split(split: dict[str, float]) -> str:
+    """`model_work_split` as one line under a breakdown table."""
+    return (
+        f"  json - plain: model (forward + logits) {split['model_ms']:+.3f} ms/step, the rest "
+        f"{split['rest_ms']:+.3f} ms/step; ratio with the json forward at the plain one's: "
+        f"{split['ratio_forward_equal']:.3f}"
+    )

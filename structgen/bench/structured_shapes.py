@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from structgen.bench.structured_engine import LONG_SCHEMA, make_engine, params
-from structgen.bench.structured_phases import PhaseTimer, PhaseTotals, format_table
+from structgen.bench.structured_phases import PhaseTimer, PhaseTotals, format_table, model_work_split
 
 
 def _object(properties: dict[str, Any], *, required: list[str] | None = None) -> dict[str, Any]:
@@ -351,11 +351,13 @@ def run_in_process(
                         tag="b",
                         timer=timer,
                     )
-                results[shape]["breakdown_ms_per_step"] = {
+                table = {
                     name: side.phases.ms_per_step()
                     for name, side in zip(("unconstrained", "json"), sides, strict=True)
                     if side.phases is not None
                 }
+                results[shape]["breakdown_ms_per_step"] = table
+                results[shape]["breakdown_split"] = model_work_split(table["unconstrained"], table["json"])
                 if timer.missing:
                     results[shape]["breakdown_missing"] = timer.missing
     finally:

@@ -124,6 +124,18 @@ def test_in_process_with_breakdown_on_tiny(tmp_path: Path) -> None:
             named = sum(v for k, v in table[side].items() if k != "step")
             assert named == pytest.approx(table[side]["step"], abs=0.01)  # exclusive phases add up
         assert table["json"]["accept"] > 0 and table["unconstrained"]["accept"] == 0
+        assert row["breakdown_split"] == phases.model_work_split(table["unconstrained"], table["json"])
+
+
+def test_model_work_split_separates_the_forward_from_the_structured_work() -> None:
+    plain = {"forward": 60.0, "logits": 15.0, "pick": 5.0, "step": 80.0}
+    # Forced runs add 30 ms of forward, narrow rows save 5 of lm_head, the structured phases add 3.
+    json = {"forward": 90.0, "logits": 10.0, "pick": 4.0, "accept": 2.0, "mask wait": 2.0, "step": 108.0}
+    split = phases.model_work_split(plain, json)
+    assert split == {"model_ms": 25.0, "rest_ms": 3.0, "ratio_forward_equal": round(80 / 78, 3)}
+    line = phases.format_table({"unconstrained": plain, "json": json}).splitlines()[-1]
+    assert "+25.000" in line and "+3.000" in line and "1.026" in line
+    assert "model" not in phases.format_table({"unconstrained": plain})  # one side: no split
 
 
 def test_through_http_on_tiny(tmp_path: Path) -> None:
