@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml setup.py constraints-dev.txt
 	$(PY) -m pip install --quiet --no-deps instructor==1.17.0
 	touch $(STAMP)
 
+# The pytest script, not `python -m pytest`: `-m` puts the working directory first on sys.path, and this
+# repository's top-level `kernels/` (installed as `structgen.kernels`) then hides the `kernels` package that
+# transformers >= 5.25 requires and imports (an ImportError in every test that loads a model through it).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/structgen serve $(SERVE_ARGS)
