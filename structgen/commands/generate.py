@@ -193,12 +193,19 @@ def _pydantic_class(target: str) -> Any:
     module_name, _, class_name = target.partition(":")
     if not module_name or not class_name:
         raise UsageError(f"--pydantic takes module:Class, got {target!r}")
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # a model defined in the user's working directory
+    # A model defined in the user's working directory: that directory is searched for the import only. Left on
+    # sys.path it would hide installed packages from later imports in this process (a directory holding a
+    # `kernels/` hid the package of that name that transformers imports).
+    added = "" not in sys.path
+    if added:
+        sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise UsageError(f"--pydantic: cannot import {module_name}: {e}") from None
+    finally:
+        if added:
+            sys.path.remove("")
     model_class = getattr(module, class_name, None)
     if model_class is None or not hasattr(model_class, "model_json_schema"):
         raise UsageError(f"--pydantic: {target} is not a Pydantic model class")

@@ -79,3 +79,23 @@ def test_usage_errors(
         assert err == f"structgen generate: {message}\n"
     else:
         assert err == f"structgen generate: {path}: {message}\n"
+
+
+def test_pydantic_import_leaves_sys_path_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The working directory is searched for `--pydantic`'s module, then taken off sys.path again: left there it
+    hid installed packages from later imports in the process (the repository's `kernels/` hid the package of
+    that name that transformers imports)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local_models_xyz.py").write_text("VALUE = 1\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != ""])
+    before = list(sys.path)
+    messages = tmp_path / "m.json"
+    messages.write_text('[{"role": "user", "content": "hi"}]')
+    # The module is found in the working directory (the error is about the class, not the import).
+    assert main(["generate", "--messages", str(messages), "--pydantic", "local_models_xyz:VALUE"]) == 2
+    assert "local_models_xyz:VALUE is not a Pydantic model class" in capsys.readouterr().err
+    assert sys.path == before
+    assert main(["generate", "--messages", str(messages), "--pydantic", "nosuch_module_xyz:M"]) == 2
+    assert sys.path == before
