@@ -10,6 +10,7 @@ for on any other.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class Advance:
 _MAX_HINTS = 16
 
 
+# Every structured request asks for its spec's hints; a server sees the same few specs again and again, and
+# parsing their patterns cost ~0.1 ms a request (`nested`'s two patterns), a twentieth of its CPU.
+@functools.lru_cache(maxsize=256)
 def pattern_hints(spec: StructuredSpec) -> tuple[bytes, ...]:
     """The literal runs (two characters or more) of the spec's patterns, shortest first: a string under
     `"pattern": "date-time"` can only end once it holds that text, which no single filler reaches."""

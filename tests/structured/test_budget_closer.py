@@ -179,6 +179,93 @@ def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
     assert walks == []
 
 
+def _skip_then_look(run: Stepper, pieces: list[list[int]], left: int) -> int:
+    """Step through `pieces` while the closer skips them (asserted), then return the `left` at which the next
+    step is a look."""
+    for ids in pieces:
+        left -= len(ids)
+        assert left > run.closer._next_check  # skipped: no look, no plan kept
+        assert run.step(ids, left) and run.closer.plan is None
+    return run.closer._next_check
+
+
+_NAMES = {
+    "type": "array",
+    "minItems": 6,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "start", "skipped", "look", "expected"),
+    [
+        # Through the same keys into the next record: the old completion past the last `"priority":`.
+        (_TASKS, '[{"status":"', ['done","priority":', "4", '},{"status":"'], 'todo","priority":', b"1}"),
+        # Inside a string (the next record's name): the old completion still ends it, as it starts by ending
+        # the string it was computed in.
+        (_NAMES, '[{"name":"', ['ab","n":', "4", '},{"name":"'], "cd", b'","n":'),
+    ],
+)
+def test_a_look_after_skipped_tokens_places_the_last_completion_instead_of_walking(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+    schema: dict[str, Any],
+    start: str,
+    skipped: list[str],
+    look: str,
+    expected: bytes,
+) -> None:
+    """Far from the limit the closer skips tokens and keeps no completion of the current state; its next look
+    finds where the output stands in the last completion it had (checked by the grammar) instead of a walk."""
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = compile_schema(backends["llguidance"], schema)
+    assert run.step(encode(start), 400)
+    assert run.closer.plan is not None and len(run.closer.plan) < 60
+    left = _skip_then_look(run, [encode(piece) for piece in skipped], 400)
+    walks = _count_walks(monkeypatch)
+    assert run.step(encode(look), left)
+    rest = run.closer.plan
+    assert walks == [] and rest is not None and len(rest) <= left
+    assert run.grammar.validate_tokens((*rest, byte_tokens.eos)) == len(rest) + 1
+    assert byte_tokens.text(list(rest)).startswith(expected)
+
+
+def test_a_look_after_skipped_tokens_walks_where_the_last_completion_cannot_be_placed(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member the old completion never wrote (an optional one it left out) gives nothing to place it by: the
+    look walks, as before, and finds the completion from there."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 3},
+            "extra": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = compile_schema(backends["llguidance"], schema)
+    assert run.step(encode('{"items":[1'), 400)
+    assert run.closer.plan is not None and b"extra" not in byte_tokens.text(list(run.closer.plan))
+    left = _skip_then_look(run, [encode(",2,3]")], 400)
+    walks = _count_walks(monkeypatch)
+    assert run.step(encode(',"extra":['), left)
+    rest = run.closer.plan
+    assert len(walks) == 1 and rest is not None
+    assert byte_tokens.text(list(rest)) == b"]}"
+
+
 def test_closer_keeps_the_completion_when_the_model_writes_part_of_its_first_token(
     backends: dict[str, StructuredBackend],
     encode: Callable[[str], list[int]],

@@ -180,6 +180,15 @@ def test_forced_bytes_are_the_jump_forward_text(
     assert seen > 5
 
 
+def test_pattern_hints_are_parsed_once_per_spec() -> None:
+    """Each request asks for its spec's hints; an equal spec (a new request with the same schema) reuses them."""
+    schema = {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^ZIP-[0-9]{5}$"}}}
+    first = pattern_hints(StructuredOutputsParams(json=schema).to_spec())
+    again = pattern_hints(StructuredOutputsParams(json=dict(schema)).to_spec())
+    assert first == (b"ZIP-",)
+    assert again is first
+
+
 def test_a_pattern_that_needs_a_word_is_closed_with_it(
     backends: dict[str, StructuredBackend], encode: Callable[[str], list[int]], byte_tokens: ByteTokens
 ) -> None:
