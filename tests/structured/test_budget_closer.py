@@ -266,6 +266,55 @@ def test_a_look_after_skipped_tokens_walks_where_the_last_completion_cannot_be_p
     assert byte_tokens.text(list(rest)) == b"]}"
 
 
+_TAGGED = {
+    "type": "array",
+    "minItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("since", "records_left"),
+    [
+        # The completion of the step before: the optional `tags` it left out, now opened.
+        ('a","tags":["x', 3),
+        # One from a record before: the splice drops the record the output has written since.
+        ('a"},{"name":"b","tags":["x', 2),
+    ],
+)
+def test_a_completion_that_cannot_be_placed_is_spliced_after_a_walk_closing_the_record(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+    since: str,
+    records_left: int,
+) -> None:
+    """The output opened a member the last completion never wrote: the look walks only to the end of the
+    record (`"]}`) and goes on with the last completion's records after one of its own ended, no more of them
+    than still needed: the same completion as a whole walk, without it."""
+    run = Stepper(backends["llguidance"], byte_tokens)
+    run.grammar = compile_schema(backends["llguidance"], _TAGGED)
+    assert run.step(encode('[{"name":"'), 40)  # near the limit: a look at every token
+    old = run.closer.plan
+    assert old is not None and b"tags" not in byte_tokens.text(list(old))
+    walks = _count_walks(monkeypatch)
+    ids = encode(since)
+    assert run.step(ids, 40 - len(ids))
+    rest = run.closer.plan
+    assert walks == [] and rest is not None
+    assert byte_tokens.text(list(rest)) == b'"]}' + b',{"name":""}' * records_left + b"]"
+    from structgen.structured.closing import shortest_completion
+
+    whole = shortest_completion(run.grammar, byte_tokens, run.scanner)
+    assert whole is not None and byte_tokens.text(list(whole)) == byte_tokens.text(list(rest))
+
+
 def test_closer_keeps_the_completion_when_the_model_writes_part_of_its_first_token(
     backends: dict[str, StructuredBackend],
     encode: Callable[[str], list[int]],

@@ -13,6 +13,7 @@ import pytest
 from structured_helpers import compile_schema
 
 from structgen.structured import StructuredBackend, StructuredOutputsParams
+from structgen.structured import closing
 from structgen.structured.closing import ByteTokens, can_end, shortest_completion
 from structgen.structured.finishing import pattern_hints
 from structgen.structured.json_scan import JsonScanner
@@ -178,6 +179,36 @@ def test_forced_bytes_are_the_jump_forward_text(
         assert forced.startswith(byte_tokens.text(tokens))  # the last token may be held back
         seen += bool(forced)
     assert seen > 5
+
+
+def test_a_bounded_walk_takes_forced_bytes_up_to_its_depth(
+    backends: dict[str, StructuredBackend],
+    encode: Callable[[str], list[int]],
+    byte_tokens: ByteTokens,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A walk that only closes the open record (`until_depth`) takes the key the grammar forces in one step,
+    stops where the record closes (not at the forced `,` and `{` that follow), and leaves the grammar as it
+    was; choosing the key's bytes one by one checked up to ~60 fillers a byte."""
+    record = {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "status": {"enum": ["open"]}},
+        "required": ["id", "status"],
+        "additionalProperties": False,
+    }
+    schema = {"type": "array", "items": record, "minItems": 3}
+    grammar = compile_schema(backends["llguidance"], schema)
+    prefix = encode('[{"id":12')
+    assert grammar.accept_tokens(prefix)
+    scanner = JsonScanner()
+    scanner.feed(byte_tokens.text(prefix))
+    checks: list[int] = []
+    original = type(grammar).validate_tokens
+    monkeypatch.setattr(type(grammar), "validate_tokens", lambda g, ids: checks.append(1) or original(g, ids))
+    found = closing.walk(grammar, byte_tokens, scanner, until_depth=2)
+    assert found is not None and found[1] == b',"status":"open"}'
+    assert len(checks) < 10
+    assert grammar.validate_tokens(encode(',"status":"open"}')) == len(encode(',"status":"open"}'))
 
 
 def test_pattern_hints_are_parsed_once_per_spec() -> None:
