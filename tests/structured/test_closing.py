@@ -12,8 +12,7 @@ import jsonschema
 import pytest
 from structured_helpers import compile_schema
 
-from structgen.structured import StructuredBackend, StructuredOutputsParams
-from structgen.structured import closing
+from structgen.structured import StructuredBackend, StructuredOutputsParams, closing
 from structgen.structured.closing import ByteTokens, can_end, shortest_completion
 from structgen.structured.finishing import pattern_hints
 from structgen.structured.json_scan import JsonScanner
