@@ -139,19 +139,26 @@ def test_an_output_out_of_reach_from_the_start_is_never_walked(
     assert walks == []
 
 
-_TASKS = {
-    "type": "array",
-    "minItems": 6,
-    "items": {
+def _records(
+    properties: dict[str, Any], *, min_items: int, required: list[str] | None = None
+) -> dict[str, Any]:
+    """An array of at least `min_items` closed records (every property required unless `required` says)."""
+    record = {
         "type": "object",
-        "properties": {
-            "status": {"enum": ["todo", "blocked", "done"]},
-            "priority": {"type": "integer", "minimum": 1, "maximum": 5},
-        },
-        "required": ["status", "priority"],
+        "properties": properties,
+        "required": list(properties) if required is None else required,
         "additionalProperties": False,
+    }
+    return {"type": "array", "minItems": min_items, "items": record}
+
+
+_TASKS = _records(
+    {
+        "status": {"enum": ["todo", "blocked", "done"]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 5},
     },
-}
+    min_items=6,
+)
 
 
 def test_closer_reuses_the_completion_past_a_value_written_in_its_place(
@@ -189,16 +196,7 @@ def _skip_then_look(run: Stepper, pieces: list[list[int]], left: int) -> int:
     return run.closer._next_check
 
 
-_NAMES = {
-    "type": "array",
-    "minItems": 6,
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-        "required": ["name", "n"],
-        "additionalProperties": False,
-    },
-}
+_NAMES = _records({"name": {"type": "string"}, "n": {"type": "integer"}}, min_items=6)
 
 
 @pytest.mark.parametrize(
@@ -266,16 +264,11 @@ def test_a_look_after_skipped_tokens_walks_where_the_last_completion_cannot_be_p
     assert byte_tokens.text(list(rest)) == b"]}"
 
 
-_TAGGED = {
-    "type": "array",
-    "minItems": 4,
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
-        "required": ["name"],
-        "additionalProperties": False,
-    },
-}
+_TAGGED = _records(
+    {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    min_items=4,
+    required=["name"],
+)
 
 
 @pytest.mark.parametrize(
