@@ -156,7 +156,7 @@ class BudgetCloser:
         stale, self._stale = self._stale, None
         if plan is None and previous:
             plan = plan_reuse.realigned(grammar, tokens, previous, appended, left) or plan_reuse.from_stale(
-                grammar, tokens, previous, self._since, scanner.innermost, left
+                grammar, tokens, previous, self._since, scanner.innermost, left, in_value=not same_value
             )
         elif plan is None and initial is not None:
             # The first look: the output may have followed the start's completion so far (its forced head,

@@ -12,7 +12,7 @@ maybe longer than the shortest, never invalid; None where nothing fits, and the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from itertools import accumulate
 
 from structgen.structured import closing
@@ -24,7 +24,7 @@ from structgen.structured.json_scan import ARRAY, NUMBER, STRING, JsonScanner
 # on (the keys and separators both share), and how many of the completion's first tokens a value written in
 # their place may have replaced (`realigned`).
 _ANCHOR_STARTS = frozenset(b'",:{}[]')
-_ANCHOR_RUN_ENDS = (b'"', b",", b":", b"{", b"}", b"[", b"]")
+_ANCHOR_RUN_ENDS = tuple(bytes((byte,)) for byte in _ANCHOR_STARTS)
 _SKIPS = 3
 # The places in an old completion where an item closed that `spliced` tries to go on from.
 _SPLICE_TRIES = 16
@@ -61,9 +61,12 @@ def _rest_past(tokens: ByteTokens, plan: Plan, text: bytes, offsets: list[int], 
     return None
 
 
-def _longest_anchor_end(written: bytes, text: bytes, ends: set[int]) -> int | None:
+def _longest_anchor_end(
+    written: bytes, text: bytes, ends: Container[int], *, only_longest: bool = False
+) -> int | None:
     """Where in `text` the longest end of `written` from a quote or punctuation on (two bytes at least) ends on
-    one of `ends` (its token boundaries), at its first such place; None where none does."""
+    one of `ends` (its token boundaries), at its first such place; None where none does. `only_longest`: try
+    that longest end alone (a shorter one places less surely)."""
     for start in range(len(written) - 1):
         if written[start] not in _ANCHOR_STARTS:
             continue
@@ -73,6 +76,8 @@ def _longest_anchor_end(written: bytes, text: bytes, ends: set[int]) -> int | No
             at = text.find(anchor, at + 1)
         if at >= 0:
             return at + len(anchor)
+        if only_longest:
+            break
     return None
 
 
@@ -103,18 +108,9 @@ def realigned(
         exact = _rest_past(tokens, previous, text, offsets, len(written))
         if exact is not None:  # (else the other candidates, or the walk)
             candidates.append(exact)
-    forced = tokens.text(list(appended[1:]))
-    for start in range(len(forced)):
-        if forced[start] not in _ANCHOR_STARTS or len(forced) - start < 2:
-            continue
-        anchor, k = forced[start:], None
-        at = text.find(anchor)
-        while at >= 0 and k is None:
-            k = ends.get(at + len(anchor))
-            at = text.find(anchor, at + 1)
-        if k is not None:
-            candidates.append(previous[k:])
-        break  # the longest anchor only: a shorter one places less surely
+    at = _longest_anchor_end(tokens.text(list(appended[1:])), text, ends, only_longest=True)
+    if at is not None:
+        candidates.append(previous[ends[at] :])
     candidates.extend(previous[k:] for k in range(1, min(_SKIPS, len(previous)) + 1))
     eos = tokens.eos
     for rest in candidates:
@@ -217,7 +213,14 @@ def still_completes(
 
 
 def from_stale(
-    grammar: Grammar, tokens: ByteTokens, stale: Plan, since: list[int], innermost: int | None, left: int
+    grammar: Grammar,
+    tokens: ByteTokens,
+    stale: Plan,
+    since: list[int],
+    innermost: int | None,
+    left: int,
+    *,
+    in_value: bool = True,
 ) -> Plan | None:
     """A completion from the grammar's state made of (the rest of) `stale`, the last completion computed,
     some tokens ago, within `left` tokens; None if none is found (the walk decides).
@@ -229,8 +232,9 @@ def from_stale(
     completion's text on a token boundary (the longest such run) and the completion past it is tried. The
     grammar checks what is returned, so it is a completion, maybe longer than the shortest (it may hold a
     member or an item the output has written since): far from the limit that only brings the next look
-    nearer, and near it the closer looks at every token from a fresh completion."""
-    if innermost in (STRING, NUMBER):
+    nearer, and near it the closer looks at every token from a fresh completion. `in_value` False: the caller
+    has already tried `still_completes`."""
+    if in_value and innermost in (STRING, NUMBER):
         plan = still_completes(grammar, tokens, stale, innermost, limit=left)
         if plan is not None:
             return plan
