@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from structgen.bench.structured_shapes import SHAPES, validator
+from structgen.bench.structured_shape_schemas import SHAPES, validator
 
 # Short, bounded strings and patterns (~60 tokens): every answer fits the room the budget leaves it.
 SCHEMA = SHAPES["nested"]

@@ -31,7 +31,7 @@ from typing import Any
 from structgen.bench import shared_data
 
 DATA = shared_data()
-# Part (s)'s shapes (`structured_shapes.SHAPES`; named here so that --help does not import the engine).
+# Part (s)'s shapes (`structured_shape_schemas.SHAPES`; named here so that --help does not import the engine).
 SHAPE_NAMES = ("items", "nested", "enums", "optional_anyof", "in_string")
 # Every request decodes to max_tokens under it: the string cannot close earlier.
 LONG_SCHEMA = {

@@ -1,4 +1,4 @@
-"""Part (s) through HTTP (`structgen bench structured --parts s --http`): the shapes of `structured_shapes`
+"""Part (s) through HTTP (`structgen bench structured --parts s --http`): the shapes of `structured_shape_schemas`
 through the OpenAI server, JSON Schema vs unconstrained, on one server and one engine.
 
 One fresh `LLMEngine` behind an `AsyncEngine` and `build_app`, uvicorn on a free loopback port in a thread (as
@@ -32,15 +32,8 @@ from typing import Any
 
 from structgen.bench.http_clients import ClientProcess, Workload
 from structgen.bench.structured_engine import make_engine
-from structgen.bench.structured_shapes import (
-    SEED,
-    SHAPES,
-    WARMUP_STEPS,
-    Tally,
-    prompt_format,
-    ratios,
-    validator,
-)
+from structgen.bench.structured_shape_schemas import SHAPES, prompt_format, validator
+from structgen.bench.structured_shapes import SEED, WARMUP_STEPS, Tally, ratios
 
 # The two sides, in the order of even passes.
 SIDES = ("unconstrained", "json")

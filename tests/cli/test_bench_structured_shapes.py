@@ -13,7 +13,8 @@ import pytest
 
 from structgen.bench import structured_phases as phases
 from structgen.bench.structured_engine import SHAPE_NAMES
-from structgen.bench.structured_shapes import SHAPES, Tally, validator
+from structgen.bench.structured_shape_schemas import SHAPES, validator
+from structgen.bench.structured_shapes import Tally
 from structgen.cli import main
 
 RATES = ("unconstrained_tok_s", "constrained_sampled_tok_s", "ratio_sampled", "constrained_total_tok_s")
