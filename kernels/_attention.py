@@ -136,8 +136,8 @@ def attend_reference(
     k64 = k.double().repeat_interleave(group, dim=1)
     v64 = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k64) * scale
-    positions = torch.arange(context - n, context)
-    hidden = torch.arange(context)[None, :] > positions[:, None]
+    positions = torch.arange(context - n, context, device=q.device)
+    hidden = torch.arange(context, device=q.device)[None, :] > positions[:, None]
     probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v64)
 

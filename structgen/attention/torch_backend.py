@@ -254,4 +254,5 @@ def paged_decode_attention(
     # keys in place (strided). Measured faster on CPU than per-head bmm + softmax, and than SDPA's enable_gqa.
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=within[:, None, None, :], scale=scale)
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    # reshape, not view: CUDA's SDPA kernels return a layout these dims cannot be viewed through.
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

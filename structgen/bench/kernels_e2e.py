@@ -56,6 +56,12 @@ class E2ERow:
     floor_tok_s: float
     ours_step_ms: float
     first_token_agreement: float  # share of sequences whose first greedy token is HF's
+    # The prefill's last-position logits against HF's forward on the same prompts: ‖ours − HF‖ / ‖HF‖, and
+    # the agreement on the rows where HF's top two logits lie further apart than the two sides' largest
+    # difference (there a different greedy token means a wrong result, not rounding).
+    logits_rel_err: float = float("nan")
+    decisive_agreement: float = float("nan")
+    decisive_rows: int = 0
 
 
 def build_models(hf_config: dict[str, Any], *, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -88,8 +94,9 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def our_decode(
     model: Any, prompts: torch.Tensor, *, steps: int, warmup: int, graphs: bool
-) -> tuple[float, torch.Tensor]:
-    """(seconds per decode step, first greedy token of each sequence) for a batch of equal-length prompts."""
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """(seconds per decode step, first greedy token of each sequence, the prefill's last-position logits) for a
+    batch of equal-length prompts."""
     from structgen.attention import AttentionMetadata, allocate_kv_cache
     from structgen.engine.cuda_graphs import CUDAGraphRunner
 
@@ -126,11 +133,13 @@ def our_decode(
         )
 
     tokens = torch.empty(batch, dtype=torch.long, device=device)
+    last_logits = torch.empty(batch, config.vocab_size, dtype=torch.float32, device=device)
     for first in range(0, batch, PREFILL_SEQS):
         rows = slice(first, min(first + PREFILL_SEQS, batch))
         positions = torch.arange(prompt_len, device=device).repeat(len(range(batch)[rows]))
         hidden = model(prompts[rows].flatten(), positions, caches, metadata(rows, 0, prompt_len))
-        tokens[rows] = model.compute_logits(hidden[prompt_len - 1 :: prompt_len]).argmax(-1)
+        last_logits[rows] = model.compute_logits(hidden[prompt_len - 1 :: prompt_len]).float()
+        tokens[rows] = last_logits[rows].argmax(-1)
     first_tokens = tokens.clone()
     runner = (
         CUDAGraphRunner(
@@ -156,7 +165,7 @@ def our_decode(
     for i in range(steps):
         step(prompt_len + warmup + i)
     _sync(device)
-    return (time.perf_counter() - start) / steps, first_tokens
+    return (time.perf_counter() - start) / steps, first_tokens, last_logits
 
 
 @torch.inference_mode()
@@ -181,6 +190,18 @@ def hf_decode(hf: Any, prompts: torch.Tensor, *, steps: int) -> tuple[float, tor
     one, first_tokens = generate(1)
     many, _ = generate(steps + 1)
     return max(many - one, 1e-9) / steps, first_tokens
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, float]:
+    """(‖ours − ref‖ / ‖ref‖, decisive rows, greedy agreement on them). A row is decisive when the reference's
+    top two logits differ by more than twice the largest |ours − ref| in that row, so rounding cannot swap them."""
+    diff = (ours.double() - ref.double()).abs()
+    err = float(diff.norm() / ref.double().norm().clamp(min=1e-30))
+    top2 = ref.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]).double() > 2 * diff.amax(dim=-1)
+    same = ours.argmax(-1) == ref.argmax(-1)
+    count = int(decisive.sum())
+    return err, count, float(same[decisive].float().mean()) if count else float("nan")
 
 
 def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: float) -> list[E2ERow]:
@@ -211,8 +232,14 @@ def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: flo
     rows = []
     for batch in batches:
         prompts = torch.randint(3, hf_config["vocab_size"], (batch, prompt_len), generator=gen, device=device)
-        ours_step, ours_first = our_decode(ours, prompts, steps=steps, warmup=3, graphs=device.type == "cuda")
+        ours_step, ours_first, ours_logits = our_decode(
+            ours, prompts, steps=steps, warmup=3, graphs=device.type == "cuda"
+        )
         hf_step, hf_first = hf_decode(hf, prompts, steps=hf_steps)
+        with torch.inference_mode():
+            hf_logits = hf(prompts, logits_to_keep=1).logits[:, -1].float()
+        err, decisive, agree = compare_logits(ours_logits, hf_logits)
+        del ours_logits, hf_logits
         rows.append(
             E2ERow(
                 batch=batch,
@@ -221,6 +248,9 @@ def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: flo
                 floor_tok_s=batch / floor_step,
                 ours_step_ms=ours_step * 1e3,
                 first_token_agreement=float((ours_first == hf_first).float().mean()),
+                logits_rel_err=err,
+                decisive_agreement=agree,
+                decisive_rows=decisive,
             )
         )
         if device.type == "cuda":
@@ -229,6 +259,39 @@ def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: flo
         f"e2e model: {hf_config['num_hidden_layers']} layers, hidden {hf_config['hidden_size']}, {weight_bytes / 1e9:.2f} GB of {dtype} weights"
     )
     return rows
+
+
+@dataclass(slots=True)
+class Float32Check:
+    """The same comparison in float32, where rounding cannot explain a difference: a 1B-shaped model (16 layers)
+    under the Triton kernels and HF's own attention; bf16's many flat random logits make its agreement weak."""
+
+    layers: int
+    batch: int
+    logits_rel_err: float
+    decisive_agreement: float
+    decisive_rows: int
+
+    def summary(self) -> str:
+        return (
+            f"float32 check ({self.layers} layers, batch {self.batch}): logits rel err {self.logits_rel_err:.1e},"
+            f" same greedy token on {100 * self.decisive_agreement:.0f}% of {self.decisive_rows} decisive rows"
+        )
+
+
+def float32_check(*, device: torch.device, cpu_check: bool) -> Float32Check:
+    hf_config, batch, prompt_len = (TINY, 3, 8) if cpu_check else (LLAMA3_1B, 8, 128)
+    hf, ours = build_models(hf_config, device=device, dtype=torch.float32)
+    gen = torch.Generator(device=device).manual_seed(2)
+    prompts = torch.randint(3, hf_config["vocab_size"], (batch, prompt_len), generator=gen, device=device)
+    _, _, ours_logits = our_decode(ours, prompts, steps=1, warmup=1, graphs=device.type == "cuda")
+    with torch.inference_mode():
+        hf_logits = hf(prompts, logits_to_keep=1).logits[:, -1].float()
+    err, decisive, agree = compare_logits(ours_logits, hf_logits)
+    del hf, ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Float32Check(hf_config["num_hidden_layers"], batch, err, agree, decisive)
 
 
 def print_e2e(rows: list[E2ERow]) -> None:
@@ -241,6 +304,8 @@ def print_e2e(rows: list[E2ERow]) -> None:
         "floor / ours step",
         "step ms",
         "same 1st tok",
+        "logits err",
+        "decisive same",
     )
     print()
     print("  ".join(header))
@@ -254,5 +319,7 @@ def print_e2e(rows: list[E2ERow]) -> None:
             f"{r.floor_tok_s / r.ours_tok_s:.2f}x",
             f"{r.ours_step_ms:.2f}",
             f"{100 * r.first_token_agreement:.0f}%",
+            f"{r.logits_rel_err:.1e}",
+            f"{100 * r.decisive_agreement:.0f}% of {r.decisive_rows}",
         )
         print("  ".join(c.rjust(len(h)) for c, h in zip(cells, header, strict=True)))

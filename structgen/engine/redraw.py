@@ -74,11 +74,15 @@ class Draws:
         mask: TokenMask,
         uniforms: Callable[[list[int]], Tensor],
     ) -> list[int]:
-        """Draw the sampled rows of `rows` (their mask rows filled) from p restricted to the mask; returns the
-        rows left for the caller to mask and pick from their logits: not sampled, or too little allowed mass."""
+        """Draw the sampled rows of `rows` (their mask rows filled here if need be) from p restricted to the
+        mask; returns the rows left for the caller to mask and pick from their logits: not sampled, or too
+        little allowed mass."""
         drawn = [i for i in rows if i in self.position]
         if not drawn:
             return rows
+        # The rows may not be filled yet: on the CPU the sampler's sparse split fills them first, but off it
+        # (a GPU) nothing else has, and an unfilled row holds another step's or another request's bits.
+        mask.ensure_filled(drawn)
         index = torch.tensor([self.position[i] for i in drawn], device=self.cdf.probs.device)
         probs = self.cdf.probs.index_select(0, index)
         zero_disallowed_(probs, mask.bitmask, drawn)

@@ -222,3 +222,18 @@ def test_get_attention_backend() -> None:
     assert get_attention_backend("cpu", name="torch").name == "torch"
     with pytest.raises(RuntimeError):
         get_attention_backend("not-a-device")
+
+
+def test_decode_takes_an_attention_output_in_any_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's SDPA returns the decode's `[seqs, kv_heads, group, d]` in a layout that cannot be viewed as
+    `[seqs, heads, d]` (seen on an H200: the torch backend failed at its first decode step). Here SDPA's output
+    is given that kind of layout on the CPU: same values, other strides."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(*args, **kwargs) -> torch.Tensor:
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # kv_heads and group swapped in memory
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided)
+    scenario = Scenario(*CASES["decode"], heads=4, kv_heads=2)
+    torch.testing.assert_close(scenario.run().double(), scenario.expected(), atol=1e-5, rtol=1e-5)

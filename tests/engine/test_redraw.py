@@ -93,3 +93,30 @@ def test_under_mask_leaves_greedy_rows_and_rows_without_mass_to_the_caller() -> 
     assert left == [0, 1, 4]  # 0: not sampled (greedy); 1: nothing allowed has mass; 4: too little
     assert int(token_ids[3]) == 7 and bool(ok[3])
     assert token_ids[[0, 1, 4]].tolist() == [0, 0, 0]  # untouched
+
+
+def test_under_mask_fills_the_rows_it_reads() -> None:
+    """Off the CPU nothing fills a rejected row's mask before `under_mask` reads it (the CPU's sparse split
+    does): it must fill them itself, not draw under whatever bits an earlier step left in the row (seen on a
+    GPU: every sampled structured request failed with "the grammar rejected tokens it had allowed")."""
+    vocab = 64
+    probs = torch.zeros(2, vocab)
+    probs[:, 0], probs[:, 5], probs[:, 9] = 1.0, 0.5, 0.5
+    draws = Draws(InverseCdf(probs), {0: 0, 1: 1})
+    bitmask = mask_allowing(vocab, [list(range(vocab))] * 2)  # stale bits: everything allowed
+    filled: list[list[int]] = []
+
+    def fill(rows: list[int]) -> None:
+        filled.append(rows)
+        for row in rows:
+            bitmask[row].zero_()
+            bitmask[row, 0] = 1 << 9  # the grammar allows token 9 alone
+
+    mask = TokenMask(
+        bitmask=bitmask, rows=[0, 1], unfilled={0: lambda t: t == 9, 1: lambda t: t == 9}, fill=fill
+    )
+    token_ids = torch.zeros(2, dtype=torch.long)
+    ok = torch.zeros(2, dtype=torch.bool)
+    left = draws.under_mask([0, 1], token_ids, ok, mask, lambda rows: torch.rand(len(rows)).double())
+    assert left == [] and filled == [[0, 1]] and not mask.unfilled
+    assert token_ids.tolist() == [9, 9] and ok.tolist() == [True, True]
