@@ -83,18 +83,21 @@ def apply_token_bitmask_(
             raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows")
         index = None
     else:
-        index = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
+        # Checked on the host, before the index goes to the logits' device (a check there would wait on it).
+        index = torch.as_tensor(rows, dtype=torch.long, device="cpu")
         if index.numel() == 0:
             return
         if int(index.max()) >= min(batch, bitmask.shape[0]) or int(index.min()) < 0:
             raise ValueError(
                 f"rows {index.tolist()} out of range for {batch} logits / {bitmask.shape[0]} mask rows"
             )
+        index = index.to(logits.device)
     if _use_kernel(logits):
         from structgen.kernels.apply_token_bitmask import apply_token_bitmask
 
-        # The kernel masks columns past the bitmask itself; the mask is indexed by logits row on the device.
-        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), index)
+        # The kernel masks columns past the bitmask itself; the mask is indexed by logits row on the device,
+        # so only the batch's rows travel (the engine's bitmask holds twice the rows it needs).
+        apply_token_bitmask(logits, bitmask[:batch].to(logits.device, non_blocking=True), index)
         return
     covered = min(vocab, bitmask.shape[1] * 32)
     if logits.device.type == "cpu" and bitmask.device.type == "cpu":
