@@ -60,8 +60,16 @@ def _llm(*, device: str, dtype: str, backend: str, eager: bool, kv_tokens: int) 
     from structgen.attention import BACKEND_ENV_VAR
     from structgen.engine.llm import LLM
 
+    # The variable is read when the model is built; put back afterwards so nothing else in the process sees it.
+    before = os.environ.get(BACKEND_ENV_VAR)
     os.environ[BACKEND_ENV_VAR] = backend
-    return LLM("tiny", device=device, dtype=dtype, enforce_eager=eager, kv_cache_tokens=kv_tokens)
+    try:
+        return LLM("tiny", device=device, dtype=dtype, enforce_eager=eager, kv_cache_tokens=kv_tokens)
+    finally:
+        if before is None:
+            del os.environ[BACKEND_ENV_VAR]
+        else:
+            os.environ[BACKEND_ENV_VAR] = before
 
 
 def _release(llm: Any) -> None:

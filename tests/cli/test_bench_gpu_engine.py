@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from structgen.attention import BACKEND_ENV_VAR
 from structgen.bench.gpu_engine import main
 
 
@@ -24,8 +26,10 @@ def test_unknown_shape_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_cpu_check_runs_the_whole_path(tmp_path: Path) -> None:
+    before = os.environ.get(BACKEND_ENV_VAR)
     out = tmp_path / "engine.json"
     assert main(["--cpu-check", "--shapes", "enums", "--json", str(out)]) == 0
+    assert os.environ.get(BACKEND_ENV_VAR) == before  # the backends it tries do not leak into the process
     payload = json.loads(out.read_text())
     (agree,) = payload["agreement"]
     assert agree["backend"] == "torch" and agree["same_as_torch"] == 1.0 and agree["broken"] == 0
