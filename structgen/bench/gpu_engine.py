@@ -73,10 +73,9 @@ def _llm(*, device: str, dtype: str, backend: str, eager: bool, kv_tokens: int) 
 
 
 def _release(llm: Any) -> None:
-    close = getattr(llm, "close", None)
-    if close is not None:
-        close()
-    del llm
+    """Stop the engine's threads and give its cache back before the next engine is built (the caller drops its
+    reference too)."""
+    llm.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -136,6 +135,7 @@ def agreement(
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         _release(llm)
+        del llm
         texts[label] = [o.outputs[0].text for o in outs]
         pairs = [(o, s) for o, s in zip(outs, schemas, strict=True) if s is not None]
         valid = sum(_valid(o.outputs[0].text, s) for o, s in pairs) / len(pairs)
