@@ -8,7 +8,7 @@
 set -u
 kernels_s=${1:-240}
 engine_s=${2:-180}
-shift 2 2>/dev/null || true
+shift $(($# < 2 ? $# : 2))  # the rest goes to gpu.py
 out=${OUT:-/tmp/out}
 mkdir -p "$out" /tmp/pkg
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
