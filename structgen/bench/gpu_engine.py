@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from structgen.bench.structured_shapes import Tally
+
 
 @dataclass(slots=True)
 class AgreementRow:
@@ -81,44 +83,47 @@ def _release(llm: Any) -> None:
         torch.cuda.empty_cache()
 
 
+def _params(shape: str, *, constrained: bool, temperature: float, seed: int | None, max_tokens: int) -> Any:
+    """A request of `shape`: under its schema, or free and never ending early (the conservative baseline)."""
+    from structgen.bench.structured_engine import params
+    from structgen.bench.structured_shape_schemas import SHAPES
+
+    schema = SHAPES[shape] if constrained else None
+    return params(max_tokens, seed=seed, schema=schema, ignore_eos=not constrained, temperature=temperature)
+
+
 def _requests(shapes: Sequence[str], per_shape: int, *, max_tokens: int, temperature: float):
     """(prompts, params, schema or None) for `per_shape` structured and as many free requests per shape."""
     from structgen.bench.structured_shape_schemas import SHAPES, prompt
-    from structgen.sampling_params import SamplingParams
-    from structgen.structured.spec import StructuredOutputsParams
 
     prompts, params, schemas = [], [], []
     for shape in shapes:
         for i in range(per_shape):
             for constrained in (True, False):
                 prompts.append(prompt(shape, i))
+                seed = 1000 + i if temperature > 0 else None
                 params.append(
-                    SamplingParams(
+                    _params(
+                        shape,
+                        constrained=constrained,
                         temperature=temperature,
-                        seed=1000 + i if temperature > 0 else None,
+                        seed=seed,
                         max_tokens=max_tokens,
-                        ignore_eos=not constrained,
-                        structured_outputs=StructuredOutputsParams(json=SHAPES[shape])
-                        if constrained
-                        else None,
                     )
                 )
                 schemas.append(SHAPES[shape] if constrained else None)
     return prompts, params, schemas
 
 
-def _valid(text: str, schema: dict[str, Any]) -> bool:
+def _tally(outs: Sequence[Any], schema: dict[str, Any]) -> Tally:
+    """How the structured outputs ended (`Tally`: valid, and `invalid` = finished on their own yet failing the
+    schema, which must be 0)."""
     from structgen.bench.structured_shape_schemas import validator
 
-    try:
-        return validator(schema).is_valid(json.loads(text))
-    except ValueError:
-        return False
-
-
-def _broken(out: Any, schema: dict[str, Any]) -> bool:
-    """An output that finished on its own (not cut by `max_tokens`) and still fails its schema."""
-    return out.outputs[0].finish_reason == "stop" and not _valid(out.outputs[0].text, schema)
+    tally, check = Tally(), validator(schema)
+    for out in outs:
+        tally.count(out.outputs[0].text, out.outputs[0].finish_reason, check)
+    return tally
 
 
 def agreement(
@@ -137,9 +142,9 @@ def agreement(
         _release(llm)
         del llm
         texts[label] = [o.outputs[0].text for o in outs]
-        pairs = [(o, s) for o, s in zip(outs, schemas, strict=True) if s is not None]
-        valid = sum(_valid(o.outputs[0].text, s) for o, s in pairs) / len(pairs)
-        broken = sum(_broken(o, s) for o, s in pairs)
+        tallies = [_tally([o], s) for o, s in zip(outs, schemas, strict=True) if s is not None]
+        valid = sum(t.valid for t in tallies) / len(tallies)
+        broken = sum(t.invalid for t in tallies)
         rows.append(AgreementRow(label, len(prompts), 0.0, valid, broken, seconds))
     reference = texts[backends[-1][0]]
     for row in rows:
@@ -153,8 +158,6 @@ def throughput(
 ) -> list[ThroughputRow]:
     """Per shape: `requests` constrained requests at once, then the same unconstrained (tokens/s each)."""
     from structgen.bench.structured_shape_schemas import SHAPES, prompt
-    from structgen.sampling_params import SamplingParams
-    from structgen.structured.spec import StructuredOutputsParams
 
     llm = _llm(
         device=device, dtype="auto", backend=backend, eager=False, kv_tokens=requests * (max_tokens + 96)
@@ -168,15 +171,7 @@ def throughput(
                 constrained: bool, *, shape: str = shape, prompts: list[str] = prompts
             ) -> tuple[float, list]:
                 params = [
-                    SamplingParams(
-                        temperature=1.0,
-                        seed=i,
-                        max_tokens=max_tokens,
-                        ignore_eos=not constrained,
-                        structured_outputs=StructuredOutputsParams(json=SHAPES[shape])
-                        if constrained
-                        else None,
-                    )
+                    _params(shape, constrained=constrained, temperature=1.0, seed=i, max_tokens=max_tokens)
                     for i in range(requests)
                 ]
                 start = time.perf_counter()
@@ -190,7 +185,7 @@ def throughput(
             free_tokens = sum(len(o.outputs[0].token_ids) for o in free_outs)
             con_tokens = sum(len(o.outputs[0].token_ids) for o in con_outs)
             forced = sum(_forced_tokens(o) for o in con_outs)
-            valid = sum(_valid(o.outputs[0].text, SHAPES[shape]) for o in con_outs) / requests
+            tally = _tally(con_outs, SHAPES[shape])
             rows.append(
                 ThroughputRow(
                     shape,
@@ -198,8 +193,8 @@ def throughput(
                     free_tokens / free_s,
                     con_tokens / con_s,
                     (con_tokens - forced) / con_s,
-                    valid,
-                    sum(_broken(o, SHAPES[shape]) for o in con_outs),
+                    tally.valid / requests,
+                    tally.invalid,
                     note=f"{forced / max(con_tokens, 1):.0%} forced",
                 )
             )

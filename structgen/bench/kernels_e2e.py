@@ -214,6 +214,15 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor, *, tolerance: float) -
     return err, count, float(same[decisive].float().mean()) if count else float("nan")
 
 
+@torch.inference_mode()
+def against_hf(
+    hf: Any, prompts: torch.Tensor, ours_logits: torch.Tensor, *, dtype: torch.dtype
+) -> tuple[float, int, float]:
+    """`compare_logits` of our prefill's last-position logits against HF's forward on the same prompts."""
+    hf_logits = hf(prompts, logits_to_keep=1).logits[:, -1].float()
+    return compare_logits(ours_logits, hf_logits, tolerance=rounding_tolerance(dtype))
+
+
 def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: float) -> list[E2ERow]:
     if cpu_check:
         hf_config, dtype, batches, prompt_len, steps, hf_steps = TINY, torch.float32, (1, 3), 8, 3, 2
@@ -246,10 +255,8 @@ def run_e2e(*, device: torch.device, quick: bool, cpu_check: bool, copy_bps: flo
             ours, prompts, steps=steps, warmup=3, graphs=device.type == "cuda"
         )
         hf_step, hf_first = hf_decode(hf, prompts, steps=hf_steps)
-        with torch.inference_mode():
-            hf_logits = hf(prompts, logits_to_keep=1).logits[:, -1].float()
-        err, decisive, agree = compare_logits(ours_logits, hf_logits, tolerance=rounding_tolerance(dtype))
-        del ours_logits, hf_logits
+        err, decisive, agree = against_hf(hf, prompts, ours_logits, dtype=dtype)
+        del ours_logits
         rows.append(
             E2ERow(
                 batch=batch,
@@ -295,9 +302,7 @@ def float32_check(*, device: torch.device, cpu_check: bool) -> Float32Check:
     gen = torch.Generator(device=device).manual_seed(2)
     prompts = torch.randint(3, hf_config["vocab_size"], (batch, prompt_len), generator=gen, device=device)
     _, _, ours_logits = our_decode(ours, prompts, steps=1, warmup=1, graphs=device.type == "cuda")
-    with torch.inference_mode():
-        hf_logits = hf(prompts, logits_to_keep=1).logits[:, -1].float()
-    err, decisive, agree = compare_logits(ours_logits, hf_logits, tolerance=rounding_tolerance(torch.float32))
+    err, decisive, agree = against_hf(hf, prompts, ours_logits, dtype=torch.float32)
     del hf, ours
     if device.type == "cuda":
         torch.cuda.empty_cache()

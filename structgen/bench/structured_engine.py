@@ -69,13 +69,24 @@ def make_engine(
     return LLMEngine(config)
 
 
-def params(max_tokens: int, *, seed: int, schema: Any = None, ignore_eos: bool = False) -> Any:
+def params(
+    max_tokens: int,
+    *,
+    seed: int | None,
+    schema: Any = None,
+    ignore_eos: bool = False,
+    temperature: float = 1.0,
+) -> Any:
     from structgen.sampling_params import SamplingParams
     from structgen.structured import StructuredOutputsParams
 
     so = StructuredOutputsParams(json=schema) if schema is not None else None
     return SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos, structured_outputs=so
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        structured_outputs=so,
     )
 
 
