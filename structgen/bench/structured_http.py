@@ -192,8 +192,14 @@ def run_http(
     from structgen.server import build_app
 
     kv = max(32768, 2 * concurrency * (max_tokens + 64))
+    # Built on the step thread, as `structgen serve` builds its engine (`AsyncEngine.from_config`): one built
+    # here and stepped there leaves two OpenMP teams in the process, whose workers then sleep between ops
+    # instead of spinning; that made the unconstrained side's steps ~30% slower than the server's on `tiny`
+    # (BENCHMARKS.md, session 21), flattering every ratio measured this way before.
     engine = AsyncEngine(
-        make_engine(model, jump_forward=True, max_num_seqs=max(64, concurrency), kv_cache_tokens=kv)
+        build=lambda: make_engine(
+            model, jump_forward=True, max_num_seqs=max(64, concurrency), kv_cache_tokens=kv
+        )
     )
     name = model or "smollm2-135m"
     options = {"concurrency": concurrency, "max_tokens": max_tokens, "steps": steps}

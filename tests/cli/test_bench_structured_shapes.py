@@ -5,12 +5,14 @@ and through HTTP) report every field. The numbers themselves mean nothing at the
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
+from structgen.bench import structured_http
 from structgen.bench import structured_phases as phases
 from structgen.bench.structured_engine import SHAPE_NAMES
 from structgen.bench.structured_shape_schemas import SHAPES, validator
@@ -139,9 +141,19 @@ def test_model_work_split_separates_the_forward_from_the_structured_work() -> No
     assert "model" not in phases.format_table({"unconstrained": plain})  # one side: no split
 
 
-def test_through_http_on_tiny(tmp_path: Path) -> None:
+def test_through_http_on_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built_on: list[str] = []
+    make_engine = structured_http.make_engine
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        built_on.append(threading.current_thread().name)
+        return make_engine(*args, **kwargs)
+
+    monkeypatch.setattr(structured_http, "make_engine", spy)
     args = ("--shapes", "nested", "--steps", "0", "--http", "--http-steps", "40", "--passes", "2")
     report = _run(tmp_path, *args)
+    # Built on the thread that steps it, as the server does (one OpenMP team: see `run_http`).
+    assert built_on == ["structgen-engine"]
     assert report["http_steps"] == 40 and report["http_passes"] == 2 and "in_process" not in report
     row = report["http"]["nested"]
     _check_rates(row)
