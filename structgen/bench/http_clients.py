@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import time
 from dataclasses import dataclass
@@ -121,45 +122,46 @@ def _child_main(conn: Any, url: str, concurrency: int) -> None:
 
 
 async def _serve(conn: Any, url: str, concurrency: int) -> None:
-    import httpx
+    from structgen.bench.http_wire import JsonConnection
 
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
     loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     finished: list[Finished] = []
     workers: list[asyncio.Task[None]] = []
     next_index = 0
+    # One keep-alive connection per worker (`http_wire`: a quarter of httpx's CPU a request).
+    connections = [JsonConnection(url) for _ in range(concurrency)]
 
-    async def post(body: dict[str, Any]) -> dict[str, Any]:
-        response = await client.post("/v1/chat/completions", json=body)
-        if response.status_code >= 400:
-            raise ClientError(f"HTTP {response.status_code}: {response.text[:500]}")
-        return response.json()
+    async def post(connection: JsonConnection, body: dict[str, Any]) -> dict[str, Any]:
+        status, data = await connection.post("/v1/chat/completions", body)
+        if status >= 400:
+            raise ClientError(f"HTTP {status}: {data[:500].decode(errors='replace')}")
+        return json.loads(data)
 
     def report(exc: Exception) -> None:  # to the parent, which stops the benchmark
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
-    async def worker(workload: Workload) -> None:
+    async def worker(workload: Workload, connection: JsonConnection) -> None:
         nonlocal next_index
         try:
             while True:
                 index, next_index = next_index, next_index + 1
-                choice = (await post(workload.body(index)))["choices"][0]
+                choice = (await post(connection, workload.body(index)))["choices"][0]
                 text = choice["message"].get("content") or ""
                 finished.append(Finished(time.monotonic(), text, choice["finish_reason"]))
         except Exception as exc:  # (cancellation is not an Exception: it ends the worker quietly)
             report(exc)
 
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        conn.send(("ready", None))
+    conn.send(("ready", None))
+    try:
         while True:
             message = await inbox.get()
             kind = message[0]
             if kind == "run":
                 workload = message[1]
                 next_index = workload.first_index
-                workers = [asyncio.ensure_future(worker(workload)) for _ in range(concurrency)]
+                workers = [asyncio.ensure_future(worker(workload, c)) for c in connections]
             elif kind == "stop":
                 for task in workers:
                     task.cancel()
@@ -168,9 +170,12 @@ async def _serve(conn: Any, url: str, concurrency: int) -> None:
                 finished, workers = [], []
             elif kind == "once":
                 try:
-                    conn.send(("once", await post(message[1])))
+                    conn.send(("once", await post(connections[0], message[1])))
                 except Exception as exc:
                     report(exc)
             else:  # "exit"
                 break
+    finally:
+        for connection in connections:
+            connection.close()
     loop.remove_reader(conn.fileno())

@@ -191,7 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--ttft-repeats", type=int, default=3)
     ap.add_argument("--per-subset", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's, one per core, as `structgen serve` runs)",
+    )
     ap.add_argument(
         "--repeats", type=int, default=1, help="measure (a) this many times; the median is the result"
     )
@@ -229,7 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    torch.set_num_threads(args.threads)
+    # Until session 21 this defaulted to 1: every ratio of this benchmark before then was measured on one
+    # thread, while the server steps on one per core (BENCHMARKS.md, "(s) Session 21").
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"model": args.model or "smollm2-135m (default)"}
     parts = set(args.parts.split(","))
     if "a" in parts:
