@@ -194,8 +194,8 @@ def run_http(
     kv = max(32768, 2 * concurrency * (max_tokens + 64))
     # Built on the step thread, as `structgen serve` builds its engine (`AsyncEngine.from_config`): one built
     # here and stepped there leaves two OpenMP teams in the process, whose workers then sleep between ops
-    # instead of spinning; with two threads the unconstrained side's steps took 12.5-14.3 ms instead of the
-    # server's 9.5 on `tiny`, flattering the ratios (BENCHMARKS.md, "(s) Session 21").
+    # instead of spinning; with two threads the unconstrained side's steps took 11.6-14.3 ms instead of the
+    # server's 9.3-9.9 on `tiny`, flattering the ratios (BENCHMARKS.md, "(s) Session 21").
     engine = AsyncEngine(
         build=lambda: make_engine(
             model, jump_forward=True, max_num_seqs=max(64, concurrency), kv_cache_tokens=kv

@@ -163,3 +163,9 @@ def test_through_http_on_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     # Closed loop: 4 requests in flight on every counted step, one sampled token each (16-token outputs that
     # finish are replaced at once; a step may also be a new request's prefill).
     assert 0.5 * 80 * 4 <= row["unconstrained"]["sampled"] <= 80 * 4
+
+
+def test_threads_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "structured", "--model", "tiny", "--parts", "s", "--threads", "0"])
+    assert exit_info.value.code == 2 and "--threads must be >= 1" in capsys.readouterr().err
