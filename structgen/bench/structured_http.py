@@ -26,6 +26,7 @@ sides (a tag in the prompt) so neither side hits the other's prompts in the shar
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Any
@@ -163,7 +164,22 @@ def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **optio
     # Sampled tokens/s of each window in order, to read the spread between passes.
     result["unconstrained"]["window_tok_s"] = window_rates["unconstrained"]
     result["constrained"]["window_tok_s"] = window_rates["json"]
+    # With both cores in the forward a window of 100 steps is ~1 s on `tiny`, and windows of one side moved by
+    # up to a third between passes (session 21): the ratio of the sides' median windows, beside the totals',
+    # shows how much one odd window moved the result.
+    plain, json_side = (statistics.median(window_rates[side]) for side in SIDES)
+    result["ratio_sampled_window_median"] = round(json_side / plain, 3) if plain > 0 else 0.0
     return result
+
+
+def print_window_medians(results: dict[str, Any]) -> None:
+    """One line per shape: the sides' median window rates and their ratio (next to the table's totals)."""
+    print("  sampled tok/s, median window: plain / json = ratio")
+    for shape, r in results.items():
+        plain, json_side = (
+            statistics.median(r[side]["window_tok_s"]) for side in ("unconstrained", "constrained")
+        )
+        print(f"  {shape:15} {plain:9.1f} / {json_side:9.1f} = {r['ratio_sampled_window_median']}")
 
 
 def _side(tally: Tally) -> dict[str, Any]:

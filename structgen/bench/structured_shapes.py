@@ -291,10 +291,11 @@ def run(args: Any) -> dict[str, Any]:
         print("in process (two engines stepping alternately, closed loop)")
         print_table(result["in_process"])
     if args.http:
-        from structgen.bench.structured_http import run_http
+        from structgen.bench.structured_http import print_window_medians, run_http
 
         result["http"] = run_http(args.model, shapes, steps=args.http_steps, passes=args.passes, **options)
         result["http_steps"], result["http_passes"] = args.http_steps, args.passes
         print("\nthrough HTTP (one server, one engine, the sides alternating)")
         print_table(result["http"])
+        print_window_medians(result["http"])
     return result

@@ -159,6 +159,10 @@ def test_through_http_on_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     _check_rates(row)
     # Each side's two windows of 40 steps, counted between step boundaries off the engine's own counters.
     assert row["unconstrained"]["steps"] == row["constrained"]["steps"] == 80
+    # Each side's windows in order, and the ratio of their medians (two windows: the mean of the two).
+    plain, constrained = row["unconstrained"]["window_tok_s"], row["constrained"]["window_tok_s"]
+    assert len(plain) == len(constrained) == 2
+    assert row["ratio_sampled_window_median"] == pytest.approx(sum(constrained) / sum(plain), abs=2e-3)
     assert row["unconstrained"]["forced"] == 0 and row["unconstrained"]["finished"] > 0
     # Closed loop: 4 requests in flight on every counted step, one sampled token each (16-token outputs that
     # finish are replaced at once; a step may also be a new request's prefill).
