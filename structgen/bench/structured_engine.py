@@ -232,14 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(sorted(unknown))} (one of: {', '.join(SHAPE_NAMES)})")
 
-    import torch
+    from structgen.commands.engine_args import set_threads
 
     # Until session 21 this defaulted to 1: every ratio of this benchmark before then was measured on one
     # thread, while the server steps on one per core (BENCHMARKS.md, "(s) Session 21").
-    if args.threads is not None:
-        if args.threads < 1:
-            ap.error("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    try:
+        set_threads(args)  # as serve applies it: torch's default when not given
+    except ValueError as error:
+        ap.error(str(error))
     result: dict[str, Any] = {"model": args.model or "smollm2-135m (default)"}
     parts = set(args.parts.split(","))
     if "a" in parts:
