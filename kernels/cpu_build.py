@@ -37,6 +37,7 @@ SOURCES = (
     "cpu_lora.cpp",
     "cpu_sparse_picks.cpp",
     "cpu_inverse_cdf.cpp",
+    "cpu_narrow_logits.cpp",
 )
 HEADERS = ("cpu_common.h", "cpu_kernels.h", "cpu_woq_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")

@@ -4,9 +4,11 @@
 // bf16 is handled as raw 16-bit patterns so the loops stay free of calls the vectorizer cannot see through.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -71,6 +73,26 @@ inline float fast_exp(float x) {
   r = x < -87.33654f ? 0.0f : r;
   r = x > 88.72283f ? INFINITY : r;
   return x != x ? x : r;
+}
+
+// Boundaries [0, b1, ..., n] cutting n tasks of the given costs into `parts` runs of about equal total cost, for
+// a parallel loop over the runs: at::parallel_for cuts into equal counts, which leaves one thread most of the work
+// when costs differ (attention over contexts of unequal length, rows allowing unequal numbers of tokens). A task
+// goes to the run its cost's midpoint falls in; runs may be empty where one task outweighs a run.
+inline std::vector<int64_t> cost_balanced_bounds(const std::vector<int64_t>& cost, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  parts = std::max<int64_t>(1, std::min(parts, n));
+  int64_t total = 0;
+  for (const int64_t c : cost) total += c;
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0, task = 0;
+  for (int64_t part = 1; part < parts; ++part) {
+    const int64_t target = total * part / parts;  // the cost at the end of this run
+    while (task < n && done + cost[task] / 2 < target) done += cost[task++];
+    bounds.push_back(task);
+  }
+  bounds.push_back(n);
+  return bounds;
 }
 
 }  // namespace structgen_cpu

@@ -4,7 +4,8 @@
 // One task per (sequence, KV head): the GQA group's query heads are loaded once, each cached key is converted to
 // float once and dotted with every query head of the group, then an exact two-pass softmax (max, exp, sum) and
 // the weighted sum of the values. Scores live in a per-thread buffer of the batch's longest context. Tasks are
-// spread over torch's intra-op threads. The reference is `paged_decode_attention` in the torch backend.
+// spread over torch's intra-op threads in runs of about equal cost (context lengths), not of equal counts. The
+// reference is `paged_decode_attention` in the torch backend.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -272,7 +273,15 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
   // The fixed-size tasks scale each score (the query stays exactly as stored); the generic loop scales q once.
   const float qscale = fixed != nullptr ? 1.0f : fscale;
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A task (sequence, KV head) costs about its context length. at::parallel_for cuts [0, tasks) into equal
+  // counts per thread, which on rows of unequal contexts (a structured batch: new requests beside long ones,
+  // forced tokens as extra rows on one sequence) left one thread with most of the work: cut by cost instead.
+  // (A task's cost: its context, plus a fixed part for loading the query, the softmax and the stores.)
+  std::vector<int64_t> cost(num_seqs * num_kv_heads);
+  for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) cost[task] = lens[task / num_kv_heads] + 16;
+  const std::vector<int64_t> bounds = cost_balanced_bounds(cost, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
+    const int64_t begin = bounds[part_begin], end = bounds[part_end];
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim);
     std::vector<float> scores(group * std::max<int64_t>(max_len, 1));
     for (int64_t task = begin; task < end; ++task) {

@@ -5,7 +5,8 @@ an enum value) allows a handful of tokens, yet its logits cost a product with th
 49,152 x 576 matrix a row, about a seventh of a 32-row decode step on the CPU (BENCHMARKS.md, issue 22), after
 which the sampler picks among the few allowed tokens anyway (`fast_picks.pick_among`). Where such a row's mask
 was filled during the forward (`StructuredLogitsProcessor.narrow_rows`), its logits here are its hidden state's
-products with the allowed tokens' rows of the lm_head (a matrix-vector product a row), and -inf everywhere
+products with the allowed tokens' rows of the lm_head (one dot product each, read in place by the native
+kernel `kernels/cpu_narrow_logits` where it is built), and -inf everywhere
 else: the masked row the sampler would have picked from. The products are the same sums as the full lm_head's
 (in float32, rounded to the weight's dtype as its output is), so the masked distribution is the same; a sum
 in another order may differ in its last bit, as it may between batch sizes.
@@ -16,16 +17,20 @@ float32 `[rows, vocab]`, with the narrow rows filled this way and the others thr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-# A row is computed narrow when its mask allows at most this many tokens: gathering and multiplying that many
-# lm_head rows is a few percent of a full row (SmolLM2 ~0.35 ms, cl100k ~0.7 ms on one core); the structural
+# A row is computed narrow when its mask allows at most this many tokens: that many dot products are a few
+# percent of a full row (natively ~0.05 ms on SmolLM2, ~0.07 ms on cl100k's digit tokens; the torch reference's
+# gather and product ~0.35 / ~0.7 ms on one core), plus its -inf fill; the structural
 # points allow far fewer (`true`/`false`, `,` `]`, an enum's first tokens), a number's position on cl100k about
 # 1,100 (its 1-3 digit tokens), so 2,048 takes those in too. Whether a row is narrow depends on its own mask
 # alone, never on the rest of the batch: its logits (and so its draws) must be the same whatever it is batched
 # with.
 NARROW_LIMIT = 2048
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports_narrow_logits(lm_head: nn.Module | None) -> bool:
@@ -61,16 +66,31 @@ def narrow_logits(lm_head: nn.Module, hidden: Tensor, narrow: dict[int, Tensor])
         logits = lm_head.compute_logits(hidden.index_select(0, index))
         for start, stop, at in _runs(dense):
             out[start:stop].copy_(logits[at : at + stop - start])
-    # Row by row (a matrix-vector product each, in float32, rounded to the weight's dtype as the full product's
-    # output is): a row's logits must not depend on where it sits in the batch, and a batched float32 GEMM's do
+    # Each narrow row's products summed on its own, in float32, rounded to the weight's dtype as the full
+    # product's output is: a row's logits must not depend on where it sits in the batch, and a batched GEMM's do
     # (MKL's sgemm sums a row differently at another position), which would give two requests with the same
-    # seed different draws.
-    for row in rows:
-        ids = narrow[row]
-        products = torch.mv(weight.index_select(0, ids).float(), hidden[row].float())
-        out[row].fill_(float("-inf"))
-        out[row, ids] = products.to(weight.dtype).float()
+    # seed different draws. Natively where the kernels are built (reading the allowed weight rows in place),
+    # else a gathered matrix-vector product a row.
+    fill = _narrow_kernel(weight, hidden)
+    fill(weight, hidden, rows, [narrow[row] for row in rows], out)
     return out
+
+
+def _narrow_kernel(weight: Tensor, hidden: Tensor) -> Callable[..., None]:
+    """`cpu_narrow_logits.narrow_logits_rows` where it applies (CPU, float32 or bfloat16, rows contiguous), else
+    its torch reference."""
+    from structgen.kernels import cpu_narrow_logits
+
+    if (
+        weight.device.type == "cpu"
+        and weight.dtype in _NATIVE_DTYPES
+        and hidden.dtype in _NATIVE_DTYPES
+        and weight.stride(1) == 1
+        and hidden.stride(1) == 1
+        and cpu_narrow_logits.available()
+    ):
+        return cpu_narrow_logits.narrow_logits_rows
+    return cpu_narrow_logits.narrow_logits_reference
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int, int]]:

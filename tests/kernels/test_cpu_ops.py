@@ -107,6 +107,27 @@ def test_paged_decode_attention_writes_chosen_rows_of_a_strided_query() -> None:
     assert bool((out[untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("lens", [[900, 1, 2, 1, 3, 1], [1, 1, 1, 1, 2, 700], [0, 5, 0], [333]])
+def test_unequal_contexts_split_by_cost_cover_every_row_once(threads: int, lens: list[int]) -> None:
+    # The tasks are cut into runs of about equal context, not of equal counts: with one long context among short
+    # ones (or more threads than tasks) every row must still be attended exactly once.
+    query, key_cache, value_cache, tables, context_lens = _paged_cache(
+        lens, heads=4, kv_heads=2, dim=64, dtype=torch.float32
+    )
+    args = dict(block_tables=tables, context_lens=context_lens, scale=0.125)
+    out = torch.full_like(query, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_ops.paged_decode_attention(query, key_cache, value_cache, out=out, **args)
+    finally:
+        torch.set_num_threads(before)
+    expected = cpu_ops.paged_decode_attention_reference(query, key_cache, value_cache, **args)
+    live = [i for i, n in enumerate(lens) if n > 0]  # (an empty context's row is left to the caller)
+    torch.testing.assert_close(out[live], expected[live], atol=2e-6, rtol=2e-6)
+
+
 def test_paged_decode_attention_rejects_bad_calls() -> None:
     query, key_cache, value_cache, tables, context_lens = _paged_cache(
         [20], heads=4, kv_heads=2, dim=64, dtype=torch.float32
