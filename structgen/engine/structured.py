@@ -78,7 +78,11 @@ class StructuredOutputs:
             info = TokenizerInfo.from_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
             self.manager = StructuredOutputManager(info, self.config or StructuredOutputConfig())
             self.processor = StructuredLogitsProcessor(
-                self.manager, _grammar_of, defer=True, also_allowed=_opening_token
+                self.manager,
+                _grammar_of,
+                defer=True,
+                also_allowed=_opening_token,
+                overlap=overlap_fills(self.device),
             )
         return self.manager
 
@@ -192,6 +196,17 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self.manager is not None:
             self.manager.shutdown()
+
+
+def overlap_fills(device: torch.device) -> bool:
+    """Whether mask fills should overlap the forward on the mask thread: with the forward on an accelerator, or
+    with a CPU core that the forward's threads leave free (read when the processor is built, after the engine set
+    its thread count)."""
+    import torch
+
+    from structgen.structured.backend import usable_cpus
+
+    return device.type != "cpu" or usable_cpus() > torch.get_num_threads()
 
 
 def _incremental(seq: Sequence, requests: dict[str, Request]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import importlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -121,6 +122,11 @@ class StructuredBackend(ABC):
         """Fill the rows of many grammars of this backend (overridden where the library batches natively)."""
         for grammar, row in items:
             grammar.fill_bitmask(bitmask, row)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def create_backend(name: str, tokenizer: TokenizerInfo) -> StructuredBackend:

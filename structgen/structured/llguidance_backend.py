@@ -8,7 +8,6 @@ into UnsupportedSchemaError naming the keyword and JSON path for the relaxation 
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from structgen.structured.backend import Grammar, StructuredBackend
+from structgen.structured.backend import Grammar, StructuredBackend, usable_cpus
 from structgen.structured.errors import UnsupportedSchemaError
 from structgen.structured.schema_walk import ASSERTION_KEYWORDS, find_keyword, iter_subschemas
 from structgen.structured.spec import StructuredSpec
@@ -177,7 +176,7 @@ class LLGuidanceBackend(StructuredBackend):
             raise ValueError(
                 f"bitmask must be contiguous with {self.words} words a row, got {tuple(bitmask.shape)}"
             )
-        if len(items) < _PARALLEL_MIN_ROWS or _usable_cpus() < _PARALLEL_MIN_CPUS:
+        if len(items) < _PARALLEL_MIN_ROWS or usable_cpus() < _PARALLEL_MIN_CPUS:
             for grammar, row in items:
                 grammar.fill_bitmask(bitmask, row)
             return
@@ -192,10 +191,6 @@ class LLGuidanceBackend(StructuredBackend):
             if self._executor is None:
                 self._executor = self._ll.LLExecutor()
             return self._executor
-
-
-def _usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def json_options(spec: StructuredSpec) -> dict[str, Any]:

@@ -366,3 +366,20 @@ def test_cli_generate_with_a_choice(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert code == 0 and captured.out.strip() in ("yes", "no")
     assert "valid=True" in captured.err
+
+
+def test_mask_fills_overlap_the_forward_only_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from structgen.engine import structured
+
+    monkeypatch.setattr("structgen.structured.backend.usable_cpus", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert not structured.overlap_fills(torch.device("cpu"))  # every core runs the forward
+        assert structured.overlap_fills(torch.device("cuda"))  # the forward is on the accelerator
+        torch.set_num_threads(3)
+        assert structured.overlap_fills(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)

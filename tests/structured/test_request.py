@@ -282,3 +282,38 @@ def test_a_deferred_row_is_masked_first_once_hinted(manager, backends, info, enc
     assert torch.equal(
         unpack_bitmask(second.bitmask[0], info.vocab_size), allowed_tokens(llg, info.vocab_size)
     )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fills_in_place_without_the_mask_thread_give_the_same_masks(
+    manager, backends, info, encode, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    llg = backends["llguidance"].compile(StructuredOutputsParams(json={"type": "object"}).to_spec())
+    xgr = backends["xgrammar"].compile(StructuredOutputsParams(regex=r"[0-9]+").to_spec())
+    assert xgr.accept_tokens(encode("12"))
+    seqs = [SimpleNamespace(grammar=llg), SimpleNamespace(grammar=None), SimpleNamespace(grammar=xgr)]
+    on_thread: list[object] = []
+    real = manager.on_mask_thread
+    monkeypatch.setattr(
+        manager, "on_mask_thread", lambda job, *args: on_thread.append(job) or real(job, *args)
+    )
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, overlap=overlap)
+    logits = torch.randn(len(seqs), info.vocab_size, generator=torch.Generator().manual_seed(0))
+    processor.prepare(seqs)
+    processor(logits, seqs)
+    assert bool(on_thread) == overlap  # in place: nothing went to the mask thread
+    for row in (0, 2):
+        assert torch.equal(torch.isinf(logits[row]), ~allowed_tokens(seqs[row].grammar, info.vocab_size))
+
+
+def test_a_fill_that_raises_in_place_fails_where_its_result_is_read(manager, monkeypatch) -> None:
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, overlap=False)
+
+    def broken(items, bitmask):
+        raise RuntimeError("fill bug")
+
+    monkeypatch.setattr(manager, "fill_bitmask", broken)
+    seqs = [SimpleNamespace(grammar=object())]
+    processor.prepare(seqs)  # does not raise here, as a fill on the mask thread would not
+    with pytest.raises(RuntimeError, match="fill bug"):
+        processor(torch.zeros(1, 8), seqs)
