@@ -17,6 +17,7 @@ float32 `[rows, vocab]`, with the narrow rows filled this way and the others thr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -82,15 +83,23 @@ def _narrow_kernel(weight: Tensor, hidden: Tensor) -> Callable[..., None]:
     from structgen.kernels import cpu_narrow_logits
 
     if (
-        weight.device.type == "cpu"
+        _native_built()
+        and weight.device.type == "cpu"
         and weight.dtype in _NATIVE_DTYPES
         and hidden.dtype in _NATIVE_DTYPES
         and weight.stride(1) == 1
         and hidden.stride(1) == 1
-        and cpu_narrow_logits.available()
     ):
         return cpu_narrow_logits.narrow_logits_rows
     return cpu_narrow_logits.narrow_logits_reference
+
+
+@functools.cache
+def _native_built() -> bool:
+    """Whether the native kernels are built here (the first call may build them), asked once, not every step."""
+    from structgen.kernels import cpu_narrow_logits
+
+    return cpu_narrow_logits.available()
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
