@@ -38,20 +38,39 @@ class Finished:
 @dataclass(slots=True, frozen=True)
 class Workload:
     """What the workers send: `template` (a chat completion body without messages and seed) and a prompt
-    `prompt_format` with an `{index}` field; request i gets index `first_index + i` and seed `seed_base + index`."""
+    `prompt_format` with an `{index}` field; request i gets index `first_index + i` and seed `seed_base + index`.
+    `stagger`: the first that many requests ask for `max_tokens * (i + 1) / stagger` tokens (rounded up) instead
+    of the template's (`staggered_max_tokens`)."""
 
     template: dict[str, Any]
     prompt_format: str
     first_index: int
     seed_base: int
+    stagger: int = 0
 
     def body(self, index: int) -> dict[str, Any]:
         content = self.prompt_format.format(index=index)
-        return {
+        body = {
             **self.template,
             "messages": [{"role": "user", "content": content}],
             "seed": self.seed_base + index,
         }
+        if "max_tokens" in body:
+            body["max_tokens"] = staggered_max_tokens(
+                body["max_tokens"], index - self.first_index, self.stagger
+            )
+        return body
+
+
+def staggered_max_tokens(max_tokens: int, i: int, stagger: int) -> int:
+    """The token budget of request `i` (from 0) of a closed loop whose first `stagger` requests are staggered:
+    `max_tokens * (i + 1) / stagger`, rounded up, for those; `max_tokens` after. Requests that all run to their
+    budget and start together stay in step (every one ends at the same step, and so do their replacements),
+    so a window shorter than the budget sees none of them end; staggered, one ends (and its replacement's
+    prompt is prefilled) every `max_tokens / stagger` steps from the start, as in a server's steady state."""
+    if 0 <= i < stagger:
+        return -(-max_tokens * (i + 1) // stagger)
+    return max_tokens
 
 
 class ClientError(RuntimeError):

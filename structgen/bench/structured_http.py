@@ -7,7 +7,7 @@ this process their Python work (and the outputs' checks) would hold the server's
 whose requests finish sooner. Per shape and side, a closed loop as in process: `--concurrency` client workers
 each keep one non-streamed chat completion in flight, sending the next (a new prompt and seed) as soon as one
 returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra field) on the
-other, temperature 1, `max_tokens`. A window opens at a step boundary `WARMUP_STEPS` steps after the side's
+other, temperature 1, `max_tokens` (the unconstrained side's first wave staggered, as in process). A window opens at a step boundary `WARMUP_STEPS` steps after the side's
 first step and closes `--http-steps` steps later; then the workers are cancelled (their connections close and
 the server aborts what they had in flight) and the engine drains before the other side starts. The sides
 alternate over `--passes` windows each (the first side of a pass alternates too), so drift and the engine's
@@ -42,8 +42,11 @@ _CHECK_CLIENTS_S = 0.1  # how often a wait for a step boundary checks that the c
 _DRAIN_TIMEOUT_S = 120.0
 
 
-def _workload(name: str, shape: str, first_index: int, *, side: str, max_tokens: int) -> Workload:
+def _workload(
+    name: str, shape: str, first_index: int, *, side: str, max_tokens: int, concurrency: int = 0
+) -> Workload:
     template: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 1.0}
+    stagger = 0
     if side == "json":
         schema = SHAPES[shape]
         template["response_format"] = {
@@ -52,7 +55,8 @@ def _workload(name: str, shape: str, first_index: int, *, side: str, max_tokens:
         }
     else:
         template["ignore_eos"] = True  # never ends early: the conservative baseline, as in process
-    return Workload(template, prompt_format(shape, tag=side[0]), first_index, SEED)
+        stagger = concurrency  # its first wave staggered: it ends requests at the steady rate, as in process
+    return Workload(template, prompt_format(shape, tag=side[0]), first_index, SEED, stagger=stagger)
 
 
 class _Counters:
@@ -155,7 +159,9 @@ def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **optio
             clients.once(_workload(name, shape, -1, side=side, max_tokens=8).body(-1))
         for p in range(passes):
             for side in SIDES if p % 2 == 0 else SIDES[::-1]:
-                workload = _workload(name, shape, next_index[side], side=side, max_tokens=max_tokens)
+                workload = _workload(
+                    name, shape, next_index[side], side=side, max_tokens=max_tokens, concurrency=concurrency
+                )
                 next_index[side], rate = _window(
                     clients, counters, workload, steps=steps, tally=tallies[side], check=checks[side]
                 )

@@ -8,6 +8,13 @@ arrays of objects with integers, booleans, enums and short strings, where every 
   keeping `--concurrency` requests in flight (a finished request is replaced at once by the next prompt, with
   a new seed), so both sides always decode full batches. The unconstrained side ignores EOS (it never ends
   early: the conservative baseline); the constrained side ends when its JSON completes or at `--max-tokens`.
+  The unconstrained side's first wave is staggered (request i of the first `--concurrency` asks for
+  `max_tokens * (i + 1) / concurrency` tokens), so that from the start one of its requests ends, and the next
+  one's prompt is prefilled, every `max_tokens / concurrency` steps, as in a server's steady state. Started
+  together, its requests all ended at one step, `max_tokens` steps on, and a window shorter than that (200
+  steps against 256 tokens) saw none end: that side paid for no prompt while the constrained side, whose
+  outputs end sooner and at their own times, paid for all of its replacements' (the measure's bias, not the
+  engine's cost; until session 23 the tables carried it).
   After a warm-up (the first prefill + 5 steps; the schema compiled before), each side runs `--steps` steps,
   summing the time of its own `engine.step()` calls. Tokens: `counters.num_generated_tokens` counts sampled
   tokens (one per sampled row per step), `output_processor.num_forced_tokens` the jump-forward ones (forced
@@ -29,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from structgen.bench.http_clients import staggered_max_tokens
 from structgen.bench.structured_engine import make_engine, params
 from structgen.bench.structured_phases import PhaseTimer, PhaseTotals, format_table, model_work_split
 from structgen.bench.structured_shape_schemas import SHAPES, prompt, validator
@@ -81,6 +89,7 @@ class Side:
     max_tokens: int
     tag: str
     check: Any | None = None
+    stagger: int = 0  # the first that many requests' budgets staggered (`staggered_max_tokens`)
     tally: Tally = field(default_factory=Tally)
     phases: PhaseTotals | None = None
     counting: bool = False
@@ -91,7 +100,8 @@ class Side:
     def add(self) -> None:
         i, self._next = self._next, self._next + 1
         rid = f"{self.shape}-{self.tag}{i}"
-        p = params(self.max_tokens, seed=SEED + i, schema=self.schema, ignore_eos=self.schema is None)
+        max_tokens = staggered_max_tokens(self.max_tokens, i, self.stagger)
+        p = params(max_tokens, seed=SEED + i, schema=self.schema, ignore_eos=self.schema is None)
         self.engine.add_request(rid, prompt(self.shape, i), p)
         self.in_flight.add(rid)
 
@@ -157,7 +167,7 @@ def closed_loop(
         params(1, seed=0, schema=schema).structured_outputs.to_spec()
     )
     sides = (
-        Side(engines[0], shape, None, max_tokens, f"{tag}u"),
+        Side(engines[0], shape, None, max_tokens, f"{tag}u", stagger=concurrency),
         Side(engines[1], shape, schema, max_tokens, f"{tag}c", check=validator(schema)),
     )
     for side in sides:

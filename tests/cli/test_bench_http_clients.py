@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from structgen.bench.http_clients import ClientError, ClientProcess, Workload
+from structgen.bench.http_clients import ClientError, ClientProcess, Workload, staggered_max_tokens
 
 
 def _app() -> Any:
@@ -68,3 +68,12 @@ def test_a_failed_request_stops_the_benchmark_with_the_servers_error(url: str) -
             while time.monotonic() < deadline:
                 clients.raise_if_failed()
                 time.sleep(0.01)
+
+
+def test_staggered_budgets_rise_to_the_template_then_stay() -> None:
+    assert [staggered_max_tokens(256, i, 32) for i in (0, 1, 30, 31, 32, 500)] == [8, 16, 248, 256, 256, 256]
+    assert [staggered_max_tokens(10, i, 4) for i in range(5)] == [3, 5, 8, 10, 10]  # rounded up, never 0
+    assert staggered_max_tokens(10, 0, 0) == 10  # no stagger
+    workload = Workload({"max_tokens": 10}, "r {index}", first_index=7, seed_base=0, stagger=4)
+    assert [workload.body(index)["max_tokens"] for index in range(7, 13)] == [3, 5, 8, 10, 10, 10]
+    assert "max_tokens" not in Workload({}, "r {index}", first_index=0, seed_base=0, stagger=4).body(0)

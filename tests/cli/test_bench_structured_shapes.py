@@ -16,7 +16,7 @@ from structgen.bench import structured_http
 from structgen.bench import structured_phases as phases
 from structgen.bench.structured_engine import SHAPE_NAMES
 from structgen.bench.structured_shape_schemas import SHAPES, validator
-from structgen.bench.structured_shapes import Tally
+from structgen.bench.structured_shapes import Side, Tally
 from structgen.cli import main
 
 RATES = ("unconstrained_tok_s", "constrained_sampled_tok_s", "ratio_sampled", "constrained_total_tok_s")
@@ -58,6 +58,28 @@ def test_tally_counts_only_complete_outputs_as_valid_or_not() -> None:
     tally.count('{"name": "A', "length", check)
     tally.count("not json", "stop", check)
     assert (tally.finished, tally.stop, tally.length, tally.valid, tally.invalid) == (4, 3, 1, 1, 2)
+
+
+class _Recorder:
+    """An engine that only records the requests it is given."""
+
+    def __init__(self) -> None:
+        self.budgets: list[int] = []
+
+    def add_request(self, request_id: str, prompt: str, params: Any) -> None:
+        self.budgets.append(params.max_tokens)
+
+
+def test_the_unconstrained_sides_first_wave_is_staggered_and_the_constrained_sides_is_not() -> None:
+    plain, constrained = _Recorder(), _Recorder()
+    plain_side = Side(plain, "items", None, 256, "u", stagger=32)
+    json_side = Side(constrained, "items", SHAPES["items"], 256, "c")
+    for _ in range(34):
+        plain_side.add()
+        json_side.add()
+    # One of the first wave ends every 8 steps, and so do their replacements (all 256): the steady state.
+    assert plain.budgets == [8 * (i + 1) for i in range(32)] + [256, 256]
+    assert constrained.budgets == [256] * 34
 
 
 class _Clock:
