@@ -3,9 +3,11 @@
 A lazily masked row is first picked from its unmasked distribution p (the `InverseCdf` of its probabilities
 exp(x / T - max), kept as `Draws`). When the mask rejects that pick:
 
-1. `Draws.again`: draw from p again, up to `REDRAWS` times. Drawing from p until the token is in the allowed set
-   A is rejection sampling: a row accepted on any draw got a token of p restricted to A, exactly. Each draw is
-   two searches, cheap where A holds most of p's mass (a random token inside a JSON string).
+1. `Draws.again`: draw `CANDIDATES` more tokens from p at once (one native call for every rejected row) and take
+   the first that A, the allowed set, holds. Drawing from p until the token is in A is rejection sampling: a row
+   accepted on any draw got a token of p restricted to A, exactly. Each candidate is two searches and a check of
+   one token (a few µs), cheap where A holds a fair share of p's mass (a random token inside a JSON string near
+   its `maxLength`), where filling the row's mask walks the vocabulary (0.2-0.8 ms on `tiny`'s 100k tokens).
 2. `Draws.under_mask`: a row still rejected (A holds little of p's mass, and more tokens than the sampler lists
    one by one) is drawn from p restricted to A directly: its kept probabilities times A's 0/1 mask, and a new
    CDF over them. Those are the masked logits' probabilities scaled by one factor (exp(max over A - max)), so the
@@ -27,10 +29,12 @@ from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.token_mask import TokenMask
 from structgen.structured.bitmask import zero_disallowed_
 
-# A rejected row draws again from its unmasked distribution up to this many times before it is drawn under its
-# mask: at most a few cheap searches where the mask forbids little, and a quick fall-back to the mask at
-# structural points where it allows only a few tokens.
-REDRAWS = 3
+# A rejected row draws this many candidates from its unmasked distribution before it is drawn under its mask.
+# All are drawn in one call, and checked in order only until one is allowed: where A holds a tenth of p's mass
+# the row is still rejected after all of them one time in 5 (0.9^16), against 3 in 4 with three draws, and each
+# check costs ~4 µs against a fill's 200-800 µs; where A holds almost nothing (a structural point, whose fill is
+# cheap) the sixteen checks cost about what the three rounds of draws they replace did.
+CANDIDATES = 16
 
 # The least mass (the unmasked row's likeliest token has 1) that the allowed tokens may hold for a row to be
 # drawn from its kept probabilities: at 1e-6 a token ~1e-25 times less likely than the allowed ones' likeliest
@@ -50,21 +54,25 @@ class Draws:
         rejected: list[int],
         token_ids: Tensor,
         mask: TokenMask,
-        uniforms: Callable[[list[int]], Tensor],
+        uniforms: Callable[[list[int], int], Tensor],
     ) -> list[int]:
-        """Draw the sampled rows of `rejected` again from p (up to `REDRAWS` times); returns the rows still
-        rejected (and those not sampled: greedy rows), in order. `uniforms(rows)`: one U[0, 1) a row."""
-        pending = rejected
-        for _ in range(REDRAWS):
-            again = [i for i in pending if i in self.position]
-            if not again:
-                break
-            index = torch.tensor([self.position[i] for i in again], device=token_ids.device)
-            picks = self.cdf.draw(uniforms(again), index)
-            token_ids[again] = picks
-            still = {i for i, good in zip(again, mask.allows(again, picks), strict=True) if not good}
-            pending = [i for i in pending if i not in self.position or i in still]
-        return pending
+        """Draw `CANDIDATES` tokens from p for each sampled row of `rejected` and give it the first its mask
+        allows; returns the rows still rejected (and those not sampled: greedy rows), in order.
+        `uniforms(rows, k)`: k U[0, 1) numbers a row, row after row."""
+        again = [i for i in rejected if i in self.position]
+        if not again:
+            return rejected
+        k = CANDIDATES
+        index = torch.tensor([self.position[i] for i in again], device=self.cdf.probs.device)
+        picks = self.cdf.draw(uniforms(again, k), index.repeat_interleave(k)).tolist()
+        accepted: dict[int, int] = {}
+        for j, row in enumerate(again):
+            token = mask.first_allowed(row, picks[j * k : (j + 1) * k])
+            if token is not None:
+                accepted[row] = token
+        if accepted:
+            token_ids[list(accepted)] = torch.tensor(list(accepted.values()), device=token_ids.device)
+        return [i for i in rejected if i not in self.position or (i not in accepted)]
 
     def under_mask(
         self,

@@ -200,9 +200,9 @@ class Sampler:
 
     def _row_uniforms(
         self, rows: Sequence[SamplingRow], device: torch.device
-    ) -> Callable[[list[int]], Tensor]:
-        """`_uniforms` for batch rows given by index."""
-        return lambda indices: self._uniforms([rows[i] for i in indices], device)
+    ) -> Callable[[list[int], int], Tensor]:
+        """`_uniforms` for batch rows given by index (`per_row` numbers each, row after row)."""
+        return lambda indices, per_row=1: self._uniforms([rows[i] for i in indices], device, per_row=per_row)
 
     def _split_sparse(
         self, x: Tensor, indices: list[int], mask: TokenMask
@@ -274,14 +274,22 @@ class Sampler:
             probs = part.sub_(top).exp_() if owned else (part - top).exp_()
         return InverseCdf(probs)
 
-    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> Tensor:
-        """One U[0, 1) number per row: a seeded row's from its own generator, the others' from one draw.
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device, *, per_row: int = 1) -> Tensor:
+        """`per_row` U[0, 1) numbers per row, row after row: a seeded row's from its own generator, the others'
+        from one draw.
 
         float64, so the draw resolves tokens far less likely than float32's 6e-8 steps near 1.0.
         """
-        uniforms = torch.rand(len(rows), dtype=torch.float64, generator=self.generator, device=device)
+        uniforms = torch.rand(
+            len(rows) * per_row, dtype=torch.float64, generator=self.generator, device=device
+        )
         seeded = [j for j, row in enumerate(rows) if row.generator is not None]
-        if seeded and device.type == "cpu":  # one write for all (a write per row costs as much as its draw)
+        if per_row > 1:
+            for j in seeded:
+                uniforms[j * per_row : (j + 1) * per_row] = torch.rand(
+                    per_row, dtype=torch.float64, generator=rows[j].generator, device=device
+                )
+        elif seeded and device.type == "cpu":  # one write for all (a write per row costs as much as its draw)
             values = [torch.rand((), dtype=torch.float64, generator=rows[j].generator).item() for j in seeded]
             uniforms[seeded] = torch.tensor(values, dtype=torch.float64)
         else:

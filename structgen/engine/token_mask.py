@@ -82,6 +82,16 @@ class TokenMask:
                 allowed[j] = good
         return allowed
 
+    def first_allowed(self, row: int, tokens: list[int]) -> int | None:
+        """The first of `tokens` that batch row `row` allows (checked in order, stopping there), or None."""
+        words = self.bitmask.shape[1]
+        check = self.unfilled.get(row)
+        if check is not None:
+            return next((token for token in tokens if 0 <= token < words * 32 and check(token)), None)
+        read_bits = _bits_on_cpu if self.bitmask.device.type == "cpu" else _bits_by_tensor_ops
+        found = read_bits(self.bitmask, [row] * len(tokens), tokens)
+        return next((token for token, good in zip(tokens, found, strict=True) if good), None)
+
     def ensure_filled(self, rows: list[int]) -> None:
         """Fill the bitmask rows of `rows` that are not filled yet."""
         missing = [row for row in rows if row in self.unfilled]

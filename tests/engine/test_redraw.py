@@ -120,3 +120,48 @@ def test_under_mask_fills_the_rows_it_reads() -> None:
     left = draws.under_mask([0, 1], token_ids, ok, mask, lambda rows: torch.rand(len(rows)).double())
     assert left == [] and filled == [[0, 1]] and not mask.unfilled
     assert token_ids.tolist() == [9, 9] and ok.tolist() == [True, True]
+
+
+def test_candidates_drawn_again_follow_the_masked_distribution() -> None:
+    """`Draws.again`: the first of a row's candidates its mask allows is a draw of p restricted to the mask."""
+    rows, vocab = 4000, 8
+    probs = torch.tensor([7.0, 1.0, 0.5, 0.25, 0.25, 0.0, 0.0, 1.0]).expand(rows, vocab).contiguous()
+    draws = Draws(InverseCdf(probs), {i: i for i in range(rows)})
+    allowed = [1, 2, 3, 4]  # 2.0 of the 10.0: a row's sixteen candidates all miss 0.8^16 = 2.8% of the time
+    mask = TokenMask(bitmask=mask_allowing(vocab, [allowed] * rows), rows=list(range(rows)))
+    token_ids = torch.zeros(rows, dtype=torch.long)
+    used: list[tuple[int, int]] = []
+
+    def uniforms(batch_rows: list[int], per_row: int) -> torch.Tensor:
+        used.append((len(batch_rows), per_row))
+        return torch.rand(len(batch_rows) * per_row, dtype=torch.float64)
+
+    left = draws.again(list(range(rows)), token_ids, mask, uniforms)
+    assert used == [(rows, 16)]  # one call for every row
+    assert 0.01 * rows < len(left) < 0.05 * rows
+    settled = [int(t) for i, t in enumerate(token_ids) if i not in set(left)]
+    assert all(t in allowed for t in settled) and all(int(token_ids[i]) == 0 for i in left)
+    expected = [1.0 / 2, 0.5 / 2, 0.25 / 2, 0.25 / 2]
+    counts = [settled.count(t) for t in allowed]
+    n = len(settled)
+    chi2 = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, expected, strict=True))
+    assert chi2 < 3 + 5 * math.sqrt(6), counts
+
+
+def test_first_allowed_checks_in_order_and_stops_at_the_first() -> None:
+    vocab = 64
+    checked: list[int] = []
+
+    def check(token: int) -> bool:
+        checked.append(token)
+        return token % 2 == 1
+
+    mask = TokenMask(
+        bitmask=mask_allowing(vocab, [[5, 9], [5, 9]]),
+        rows=[0, 1],
+        unfilled={1: check},
+        fill=lambda rows: None,
+    )
+    assert mask.first_allowed(0, [4, 9, 5]) == 9 and mask.first_allowed(0, [1, 2, 99]) is None
+    assert mask.first_allowed(1, [4, 6, 7, 3]) == 7 and checked == [4, 6, 7]  # the grammar's check, in order
+    assert mask.first_allowed(1, [vocab * 2 + 1]) is None and checked == [4, 6, 7]  # past the mask: not asked

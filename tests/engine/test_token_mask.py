@@ -176,12 +176,13 @@ def test_rows_allowing_few_tokens_pick_among_them_like_the_masked_row(temperatur
 
 
 def test_rejected_sampled_rows_draw_again_before_any_masking() -> None:
-    # Token 0 holds half the mass and is forbidden: about half the first draws are rejected, and most of
-    # those are settled by drawing again from the unmasked distribution; only rows that keep landing on it
-    # (1 in 16 of the rejected ones, in expectation) fall back to the mask (here: a pick among the 15 allowed).
+    # Token 0 holds 85% of the mass and is forbidden: most first draws are rejected, and most of those are
+    # settled by the candidates drawn again from the unmasked distribution; only rows whose every candidate
+    # lands on it (0.85^16, 7% of the rejected ones, in expectation) fall back to the mask (here: a pick among
+    # the 15 allowed).
     draws, vocab = 400, 16
     logits = torch.zeros(vocab)
-    logits[0] = math.log(vocab - 1)
+    logits[0] = math.log((vocab - 1) * 0.85 / 0.15)
     rows = [make_row(SamplingParams(seed=s)) for s in range(draws)]
     unmasked = Sampler()(logits.expand(draws, vocab).clone(), rows).token_ids
     first_rejected = sum(t == 0 for t in unmasked)
@@ -190,7 +191,7 @@ def test_rejected_sampled_rows_draw_again_before_any_masking() -> None:
     rows = [make_row(SamplingParams(seed=s)) for s in range(draws)]
     picks = Sampler()(logits.expand(draws, vocab).clone(), rows, mask=mask).token_ids
     assert 0 not in picks
-    assert 150 < first_rejected < 250
-    assert 0 < len(mask.rejected) < first_rejected / 4
+    assert 300 < first_rejected < 380
+    assert 5 < len(mask.rejected) < first_rejected / 4
     # Rows the first draw did not reject keep exactly the token they got without a mask.
     assert all(p == u for p, u in zip(picks, unmasked, strict=True) if u != 0)
