@@ -22,7 +22,9 @@ on the mask thread during the forward, so that its logits can be computed for it
 (`structgen.engine.narrow_logits`); a position found wide is left unfilled, and tried again now and then; a
 position in doubt (found wide lately, or narrow only sometimes) is tried on one row a step, not on every row of
 the batch that stands there. Rates move per row, and a batch feeds many rows a step into one table: the retries
-are spaced in rows accordingly.
+are spaced in rows accordingly. A request's own table (a seeded request's: `StructuredRequest.share_hints`) meets
+each member afresh, so there the first measure of a kind of position decides it (one wide fill to learn that a
+name is wide, not four), where a compile's table, fed by a whole batch, averages from the start.
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ class PickHints:
     narrow: dict[int | None, float] = field(default_factory=dict)  # by kind of position; 1.0 until measured
     decay: float = _DECAY
     narrow_retry: float = _NARROW_RETRY
+    first_decides: bool = False  # a kind of position's first measured width sets its narrow rate outright
+
+    @classmethod
+    def private(cls) -> PickHints:
+        """A table for one request alone (and its samples': `copy`): it meets each member once per output, so
+        its first look at a kind of position decides."""
+        return cls(first_decides=True)
+
+    def copy(self) -> PickHints:
+        """An independent table starting from what this one learnt (a seeded request's sibling sample)."""
+        return PickHints(
+            dict(self.rates), dict(self.narrow), self.decay, self.narrow_retry, self.first_decides
+        )
 
     @classmethod
     def shared(cls) -> PickHints:
@@ -85,7 +100,11 @@ class PickHints:
 
     def saw_width(self, context: int | None, *, narrow: bool) -> None:
         """A filled row's mask at this kind of position was narrow or not."""
-        rate = self.narrow.get(context, 1.0)
+        rate = self.narrow.get(context)
+        if rate is None and self.first_decides:
+            self.narrow[context] = float(narrow)
+            return
+        rate = 1.0 if rate is None else rate
         self.narrow[context] = rate + _NARROW_WEIGHT * (float(narrow) - rate)
 
     def left_unfilled(self, context: int | None) -> None:

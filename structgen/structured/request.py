@@ -46,7 +46,7 @@ class StructuredRequest:
         self.num_forced_tokens = 0
         self.validation: ValidationResult | None = None
         self.finisher = _finisher(manager, params, self.spec)
-        self.pick_hints = PickHints()
+        self.pick_hints = PickHints.private()  # the compile's shared one replaces it in `start`
 
     @property
     def position(self) -> int | None:
@@ -56,13 +56,12 @@ class StructuredRequest:
 
     @property
     def hint_context(self) -> int | None:
-        """The kind of position `pick_hints` are kept by (None without a JSON view): where the hints are shared,
-        the member whose value is being written (`JsonScanner.member`: a zip code's digits are not a name's
-        letters), and within it, between values: the object or array open and the last byte written outside
-        strings (`:` before a value, `,` or `{` before a key, `"` or a digit after a value), which tells a
-        structural point from a value's start; inside a string: whether the grammar forces its next bytes (a
-        string at its `maxLength` allows only its closing quote: narrow), asked of the grammar (~2 µs); inside
-        a number: that."""
+        """The kind of position `pick_hints` are kept by (None without a JSON view): the member whose value is
+        being written (`JsonScanner.member`: a zip code's digits are not a name's letters), and within it,
+        between values: the object or array open and the last byte written outside strings (`:` before a value,
+        `,` or `{` before a key, `"` or a digit after a value), which tells a structural point from a value's
+        start; inside a string: whether the grammar forces its next bytes (a string at its `maxLength` allows
+        only its closing quote: narrow), asked of the grammar (~2 µs); inside a number: that."""
         scanner = self.finisher.scanner if self.finisher is not None else None
         if scanner is None:
             return None
@@ -77,9 +76,9 @@ class StructuredRequest:
             detail = kind << 8 | forced
         else:
             detail = kind or 0
-        # By member only where the hints are shared: a request alone would meet each member afresh (every
-        # wide one filled ahead once to learn it is wide), where a compile's requests learn it once.
-        return hash((detail, scanner.member)) if self.share_hints else detail
+        # By member, a request's own table too: a zip code's digits and a name's letters filed together made
+        # the name's rows filled ahead as if narrow; alone, a request learns each member from its first look.
+        return hash((detail, scanner.member))
 
     @property
     def initial_need(self) -> int | None:
@@ -110,7 +109,7 @@ class StructuredRequest:
         if self.finisher is not None:
             child.finisher = self.finisher.copy()
         if not self.share_hints:
-            child.pick_hints = PickHints(dict(self.pick_hints.rates))
+            child.pick_hints = self.pick_hints.copy()
         return child
 
     def accept(self, token_ids: Sequence[int]) -> None:

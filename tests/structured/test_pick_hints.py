@@ -76,3 +76,23 @@ def test_a_compiles_shared_table_spaces_its_retries_for_a_batch() -> None:
         hints.left_unfilled(STRING)
         skipped += 1
     assert 30 <= skipped <= 150
+
+
+def test_a_requests_own_table_learns_a_position_from_its_first_look() -> None:
+    """Alone, a request meets each member once an output: its first measure of a position decides it."""
+    hints = PickHints.private()
+    hints.saw_width(STRING, narrow=False)
+    hints.saw_width(NUMBER, narrow=True)
+    assert not hints.expects_narrow(STRING) and hints.sure_narrow(NUMBER)
+    hints.saw_width(NUMBER, narrow=False)  # later looks average, as in any table
+    hints.saw_width(NUMBER, narrow=False)
+    assert hints.expects_narrow(NUMBER) and not hints.sure_narrow(NUMBER)
+    skipped = 0
+    while not hints.expects_narrow(STRING):
+        hints.left_unfilled(STRING)
+        skipped += 1
+    assert 10 <= skipped <= 60  # a wide position is still tried again now and then
+    sample = hints.copy()
+    assert sample.narrow == hints.narrow and sample.first_decides
+    sample.saw_width(STRING, narrow=True)
+    assert sample.narrow != hints.narrow  # a sibling sample's table is its own

@@ -163,6 +163,7 @@ def test_requests_of_one_compile_share_their_pick_hints(manager) -> None:
     seeded.pick_hints.picked_lazily(None, rejected=True)
     sibling = seeded.fork()
     assert sibling.pick_hints is not seeded.pick_hints and sibling.pick_hints.rates == seeded.pick_hints.rates
+    assert sibling.pick_hints.first_decides  # alone, each member is learnt from its first look
 
 
 def test_relaxed_request_retries_then_flags(manager, encode) -> None:
