@@ -45,10 +45,7 @@ def test_narrow_positions_are_filled_ahead_and_wide_ones_tried_again_now_and_the
         hints.saw_width(NUMBER, narrow=True)
         hints.saw_width(STRING, narrow=False)
     assert hints.expects_narrow(NUMBER) and not hints.expects_narrow(STRING)
-    skipped = 0
-    while not hints.expects_narrow(STRING):
-        hints.left_unfilled(STRING)
-        skipped += 1
+    skipped = _rows_left_unfilled_until_retried(hints, STRING)
     assert 3 <= skipped <= 30  # a wide position is filled again after a while, not every step
     assert not hints.sure_narrow(STRING)  # a try: one row of the batch finds out (the logits processor)
     hints.saw_width(STRING, narrow=False)
@@ -71,10 +68,7 @@ def test_a_compiles_shared_table_spaces_its_retries_for_a_batch() -> None:
     hints = PickHints.shared()
     for _ in range(4):
         hints.saw_width(STRING, narrow=False)
-    skipped = 0
-    while not hints.expects_narrow(STRING):
-        hints.left_unfilled(STRING)
-        skipped += 1
+    skipped = _rows_left_unfilled_until_retried(hints, STRING)
     assert 30 <= skipped <= 150
 
 
@@ -87,12 +81,18 @@ def test_a_requests_own_table_learns_a_position_from_its_first_look() -> None:
     hints.saw_width(NUMBER, narrow=False)  # later looks average, as in any table
     hints.saw_width(NUMBER, narrow=False)
     assert hints.expects_narrow(NUMBER) and not hints.sure_narrow(NUMBER)
-    skipped = 0
-    while not hints.expects_narrow(STRING):
-        hints.left_unfilled(STRING)
-        skipped += 1
+    skipped = _rows_left_unfilled_until_retried(hints, STRING)
     assert 10 <= skipped <= 60  # a wide position is still tried again now and then
     sample = hints.copy()
     assert sample.narrow == hints.narrow and sample.first_decides
     sample.saw_width(STRING, narrow=True)
     assert sample.narrow != hints.narrow  # a sibling sample's table is its own
+
+
+def _rows_left_unfilled_until_retried(hints: PickHints, position: int) -> int:
+    """How many rows at `position` go unfilled before its expectation fades back to a try."""
+    skipped = 0
+    while not hints.expects_narrow(position):
+        hints.left_unfilled(position)
+        skipped += 1
+    return skipped
