@@ -7,9 +7,10 @@ this process their Python work (and the outputs' checks) would hold the server's
 whose requests finish sooner. Per shape and side, a closed loop as in process: `--concurrency` client workers
 each keep one non-streamed chat completion in flight, sending the next (a new prompt and seed) as soon as one
 returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra field) on the
-other, temperature 1, `max_tokens` (the unconstrained side's first wave staggered, as in process). A window opens at a step boundary `WARMUP_STEPS` steps after the side's
-first step and closes `--http-steps` steps later; then the workers are cancelled (their connections close and
-the server aborts what they had in flight) and the engine drains before the other side starts. The sides
+other, temperature 1, `max_tokens` (the unconstrained side's first wave staggered, as in process). A window
+opens at a step boundary `WARMUP_STEPS` steps after the side's first step and closes `--http-steps` steps
+later; then the workers are cancelled (their connections close and the server aborts what they had in flight)
+and the engine drains before the other side starts. The sides
 alternate over `--passes` windows each (the first side of a pass alternates too), so drift and the engine's
 warm state hit both alike. A warm-up request per side first compiles the schema.
 
