@@ -3,9 +3,11 @@
 //
 // One task per (sequence, KV head): the GQA group's query heads are loaded once, each cached key is converted to
 // float once and dotted with every query head of the group, then an exact two-pass softmax (max, exp, sum) and
-// the weighted sum of the values. Scores live in a per-thread buffer of the batch's longest context. Tasks are
-// spread over torch's intra-op threads in runs of about equal cost (context lengths), not of equal counts. The
-// reference is `paged_decode_attention` in the torch backend.
+// the weighted sum of the values. Rows that read one context (a sequence's few new tokens, each seeing one more
+// token than the one before) share a task: their query heads together, each with its own context length. Scores
+// live in a per-thread buffer of the batch's longest context. Tasks are spread over torch's intra-op threads in
+// runs of about equal cost (context lengths), not of equal counts. The reference is `paged_decode_attention` in
+// the torch backend.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,13 +43,24 @@ inline void softmax_in_place(float* __restrict sc, int64_t len) {
   for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
 }
 
-// The hot loop with the head size and the GQA group size known at compile time, so the per-token work (convert a
-// key row, dot it with each query head; convert a value row, accumulate it into each head's output) unrolls into
-// registers. Measured on SmolLM2's shapes (64-dim heads, groups of 3): several times the generic loop's speed.
+// Each query vector's softmax over its own context (`qlen[g]` of the `len` scored): the scores past it are set
+// to 0, so the value pass, which runs to `len` for every query, adds nothing for them.
+inline void softmax_within(float* scores, int64_t len, const int64_t* qlen, int queries) {
+  for (int g = 0; g < queries; ++g) {
+    float* sc = scores + g * len;
+    softmax_in_place(sc, qlen[g]);
+    std::fill(sc + qlen[g], sc + len, 0.f);
+  }
+}
+
+// The hot loop with the head size and the number of query vectors G (a GQA group, or the groups of a run's rows)
+// known at compile time, so the per-token work (convert a key row, dot it with each query; convert a value row,
+// accumulate it into each query's output) unrolls into registers. Measured on SmolLM2's shapes (64-dim heads,
+// groups of 3): several times the generic loop's speed. Query g sees the first `qlen[g]` of the `len` tokens.
 template <typename KVT, int D, int G>
 void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const typename Elem<KVT>::storage* vc,
                   const int32_t* table, int64_t len, int64_t block_size, int64_t slot_stride, int64_t head_offset,
-                  float scale, float* scores, float* out) {
+                  float scale, const int64_t* qlen, float* scores, float* out) {
   using KE = Elem<KVT>;
   using KS = typename KE::storage;
   float q[G][D];
@@ -70,7 +83,7 @@ void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const 
       }
     }
   }
-  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * len, len);
+  softmax_within(scores, len, qlen, G);
   float acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
@@ -97,8 +110,8 @@ void attend_fixed(const float* qf, const typename Elem<KVT>::storage* kc, const 
 
 #if defined(__AVX512F__)
 // The same task written with AVX-512 intrinsics (the build machine's ISA, -march=native): each key/value row is
-// D/16 vectors, a score is D/16 fused multiply-adds and one horizontal sum, and the value accumulators of the
-// whole group stay in registers. ~5x the compiler-vectorized loop on SmolLM2's shapes.
+// D/16 vectors, a score is D/16 fused multiply-adds (sixteen keys' sums then taken together), and the value
+// accumulators of the whole group stay in registers. ~5x the compiler-vectorized loop on SmolLM2's shapes.
 template <typename KVT>
 inline __m512 load16(const typename Elem<KVT>::storage* p);
 
@@ -128,10 +141,32 @@ inline void prefetch_next_block(const KS* cache, const int32_t* table, int64_t t
       _mm_prefetch(base + i * slot_stride * static_cast<int64_t>(sizeof(KS)) + b, _MM_HINT_T0);
 }
 
+// Sixteen accumulators (one key's dot product each) summed across their lanes into one vector whose lane j is
+// accumulator j's total: a transpose-and-add tree (pairs of floats, pairs of pairs, then 128-bit lanes), 45
+// shuffles and adds for what sixteen horizontal sums do in ~4x as many. Every total is summed in the same order
+// whatever its position, so a score does not depend on which keys share its chunk.
+inline __m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 pairs[8];
+  for (int j = 0; j < 8; ++j)
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  __m512 quads[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(pairs[2 * j]), y = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Each 128-bit lane of a quad holds its four keys' partial sums of that lane: add lanes 0+1 and 2+3, twice.
+  __m512 halves[2];
+  for (int j = 0; j < 2; ++j)
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <typename KVT, int D, int G>
 void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const typename Elem<KVT>::storage* vc,
                    const int32_t* table, int64_t len, int64_t block_size, int64_t slot_stride, int64_t head_offset,
-                   float scale, float* scores, float* out) {
+                   float scale, const int64_t* qlen, float* scores, float* out) {
   using KS = typename Elem<KVT>::storage;
   constexpr int V = D / 16;
 #if defined(__AVX512BF16__)
@@ -152,35 +187,43 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
       for (int v = 0; v + 1 < V; v += 2) qp[g][v / 2] = _mm512_cvtne2ps_pbh(q[g][v + 1], q[g][v]);
   }
 #endif
+  // Scores sixteen keys at a time: each query's sixteen dot products summed across lanes by one tree
+  // (`sum_lanes16`) and stored as one vector, where a horizontal sum per score cost ~3x the dot product itself.
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const KS* kb = kc + table[t0 / block_size] * block_size * slot_stride + head_offset;
     const int64_t n = std::min<int64_t>(block_size, len - t0);
     prefetch_next_block(kc, table, t0, len, block_size, slot_stride, head_offset, D * sizeof(KS));
     prefetch_next_block(vc, table, t0 - block_size, len, block_size, slot_stride, head_offset, D * sizeof(KS));
-    for (int64_t i = 0; i < n; ++i) {
-      const KS* k = kb + i * slot_stride;
-#if defined(__AVX512BF16__)
-      if constexpr (kPairDot && V % 2 == 0) {
-        __m512bh kp[V / 2];
-        for (int v = 0; v < V / 2; ++v) kp[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
-        for (int g = 0; g < G; ++g) {
-          __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0], kp[0]);
-          for (int v = 1; v < V / 2; ++v) acc = _mm512_dpbf16_ps(acc, qp[g][v], kp[v]);
-          scores[g * len + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
-        }
-        continue;
-      }
-#endif
-      __m512 kv[V];
-      for (int v = 0; v < V; ++v) kv[v] = load16<KVT>(k + 16 * v);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - i0));
+      const KS* k0 = kb + i0 * slot_stride;
       for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
-        for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(q[g][v], kv[v], acc);
-        scores[g * len + t0 + i] = _mm512_reduce_add_ps(acc) * scale;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          if (j >= m) {
+            acc[j] = _mm512_setzero_ps();
+            continue;
+          }
+          const KS* k = k0 + j * slot_stride;
+#if defined(__AVX512BF16__)
+          if constexpr (kPairDot && V % 2 == 0) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[g][0], (__m512bh)_mm512_loadu_si512(k));
+            for (int v = 1; v < V / 2; ++v)
+              a = _mm512_dpbf16_ps(a, qp[g][v], (__m512bh)_mm512_loadu_si512(k + 32 * v));
+            acc[j] = a;
+            continue;
+          }
+#endif
+          __m512 a = _mm512_mul_ps(q[g][0], load16<KVT>(k));
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(q[g][v], load16<KVT>(k + 16 * v), a);
+          acc[j] = a;
+        }
+        const __m512 s = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + g * len + t0 + i0, static_cast<__mmask16>((1u << m) - 1u), s);
       }
     }
   }
-  for (int g = 0; g < G; ++g) softmax_in_place(scores + g * len, len);
+  softmax_within(scores, len, qlen, G);
   __m512 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
@@ -208,7 +251,8 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
 
 template <typename KVT>
 using FixedTask = void (*)(const float*, const typename Elem<KVT>::storage*, const typename Elem<KVT>::storage*,
-                           const int32_t*, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+                           const int32_t*, int64_t, int64_t, int64_t, int64_t, float, const int64_t*, float*,
+                           float*);
 
 template <typename KVT, int D>
 FixedTask<KVT> fixed_for_group(int64_t group) {
@@ -231,6 +275,18 @@ FixedTask<KVT> fixed_task(int64_t head_dim, int64_t group) {
   if (head_dim == 64) return fixed_for_group<KVT, 64>(group);
   if (head_dim == 128) return fixed_for_group<KVT, 128>(group);
   return nullptr;
+}
+
+// The most query vectors one fixed-size task carries (its accumulators stay in registers: 8 x 64 dims is the
+// 32 AVX-512 registers), so a run of one context's rows spans at most this many over the group size.
+constexpr int64_t kMaxQueries = 8;
+
+// Whether two block tables agree on the blocks that hold the first `len` tokens.
+inline bool same_blocks(const int32_t* a, const int32_t* b, int64_t len, int64_t block_size) {
+  for (int64_t i = 0; i * block_size < len; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
 }
 
 template <typename QT, typename KVT>
@@ -273,38 +329,70 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
   // The fixed-size tasks scale each score (the query stays exactly as stored); the generic loop scales q once.
   const float qscale = fixed != nullptr ? 1.0f : fscale;
 
-  // A task (sequence, KV head) costs about its context length. at::parallel_for cuts [0, tasks) into equal
-  // counts per thread, which on rows of unequal contexts (a structured batch: new requests beside long ones,
-  // forced tokens as extra rows on one sequence) left one thread with most of the work: cut by cost instead.
-  // (A task's cost: its context, plus a fixed part for loading the query, the softmax and the stores.)
-  std::vector<int64_t> cost(num_seqs * num_kv_heads);
-  for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) cost[task] = lens[task / num_kv_heads] + 16;
+  // Entries that read one context are attended together: a sequence's new tokens fed as rows (the tokens a
+  // grammar forced, a speculative proposal) each see one more token than the one before, through the same block
+  // table, and each key and value of that context is then read once for all of them, not once a row (on a
+  // structured batch those extra rows made the attention ~2.5x the plain decode step's). A run holds as many
+  // entries as the fixed-size tasks have query vectors for (`kMaxQueries` / group); the generic loop takes one.
+  const int64_t run_cap = fixed != nullptr ? std::max<int64_t>(1, kMaxQueries / group) : 1;
+  std::vector<FixedTask<KVT>> fixed_for(run_cap + 1, nullptr);
+  for (int64_t n = 1; n <= run_cap && fixed != nullptr; ++n) fixed_for[n] = fixed_task<KVT>(head_dim, n * group);
+  std::vector<int64_t> run_start;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const bool joins = s > 0 && s - run_start.back() < run_cap && lens[s] == lens[s - 1] + 1 &&
+                       same_blocks(tables + (s - 1) * table_stride, tables + s * table_stride, lens[s - 1],
+                                   block_size);
+    if (!joins) run_start.push_back(s);
+  }
+  const int64_t runs = static_cast<int64_t>(run_start.size());
+  run_start.push_back(num_seqs);
+
+  // A task (run, KV head) costs about its context length. at::parallel_for cuts [0, tasks) into equal counts
+  // per thread, which on rows of unequal contexts (a structured batch: new requests beside long ones) left one
+  // thread with most of the work: cut by cost instead. (A task's cost: its context, read once, a quarter of it
+  // again for each further row's products, plus a fixed part for loading the queries, the softmax and the stores.)
+  std::vector<int64_t> cost(runs * num_kv_heads);
+  for (int64_t task = 0; task < runs * num_kv_heads; ++task) {
+    const int64_t run = task / num_kv_heads, count = run_start[run + 1] - run_start[run];
+    const int64_t len = lens[run_start[run + 1] - 1];
+    cost[task] = len + (count - 1) * len / 4 + 16 * count;
+  }
   const std::vector<int64_t> bounds = cost_balanced_bounds(cost, at::get_num_threads());
+  const int64_t max_queries = run_cap * group;
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t begin = bounds[part_begin], end = bounds[part_end];
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim);
-    std::vector<float> scores(group * std::max<int64_t>(max_len, 1));
+    std::vector<float> qf(max_queries * head_dim), acc(max_queries * head_dim), row(head_dim);
+    std::vector<float> scores(max_queries * std::max<int64_t>(max_len, 1));
+    std::vector<int64_t> qlen(max_queries);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = lens[s];
-      const int64_t r = row_of ? row_of[s] : s;
-      for (int64_t g = 0; g < group; ++g) {
-        const QS* src = q + r * q_row_stride + (h * group + g) * q_head_stride;
-        float* dst = qf.data() + g * head_dim;
+      const int64_t run = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t first = run_start[run], count = run_start[run + 1] - first;
+      const int64_t last = first + count - 1, len = lens[last];
+      for (int64_t e = 0; e < count; ++e) {
+        const int64_t r = row_of ? row_of[first + e] : first + e;
+        for (int64_t g = 0; g < group; ++g) {
+          const QS* src = q + r * q_row_stride + (h * group + g) * q_head_stride;
+          float* dst = qf.data() + (e * group + g) * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::load(src[d]) * qscale;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::load(src[d]) * qscale;
+          qlen[e * group + g] = lens[first + e];
+        }
       }
       if (fixed != nullptr) {
-        fixed(qf.data(), kc, vc, tables + s * table_stride, len, block_size, slot_stride, h * head_dim, fscale,
-              scores.data(), acc.data());
-        for (int64_t g = 0; g < group; ++g) {
-          QS* dst = o + r * o_row_stride + (h * group + g) * o_head_stride;
-          const float* a = acc.data() + g * head_dim;
+        fixed_for[count](qf.data(), kc, vc, tables + last * table_stride, len, block_size, slot_stride,
+                         h * head_dim, fscale, qlen.data(), scores.data(), acc.data());
+        for (int64_t e = 0; e < count; ++e) {
+          const int64_t r = row_of ? row_of[first + e] : first + e;
+          for (int64_t g = 0; g < group; ++g) {
+            QS* dst = o + r * o_row_stride + (h * group + g) * o_head_stride;
+            const float* a = acc.data() + (e * group + g) * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::store(a[d]);
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = QE::store(a[d]);
+          }
         }
         continue;
       }
+      const int64_t s = first, r = row_of ? row_of[s] : s;  // the generic loop: one entry a run
       // Pass 1: scores of every cached token against every query head of the group.
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t block = tables[s * table_stride + t0 / block_size];

@@ -107,6 +107,49 @@ def test_paged_decode_attention_writes_chosen_rows_of_a_strided_query() -> None:
     assert bool((out[untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1), (6, 2)])
+def test_rows_of_one_context_attended_together_match_one_by_one(
+    heads: int, kv_heads: int, dtype: torch.dtype
+) -> None:
+    # A sequence's new tokens fed as rows (forced tokens): each sees one more token through the same table, and
+    # the kernel attends such runs in one task; each row must get what it gets alone. Runs cross a block edge
+    # (15..19), are longer than one task takes (7 rows), sit beside single rows and a row of another table
+    # whose length happens to follow on.
+    seqs = {"a": 19, "b": 40, "c": 7, "d": 41}
+    entries = [("a", 15), ("a", 16), ("a", 17), ("a", 18), ("a", 19), ("b", 40), ("d", 41), ("c", 1)]
+    entries += [("c", n) for n in range(2, 8)] + [("b", 40)]
+    _, key_cache, value_cache, tables, _ = _paged_cache(
+        list(seqs.values()), heads=heads, kv_heads=kv_heads, dim=64, dtype=dtype, seed=5
+    )
+    index = {name: i for i, name in enumerate(seqs)}
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(len(entries), heads, 64, generator=gen).to(dtype)
+    args = dict(
+        block_tables=tables[[index[name] for name, _ in entries]],
+        context_lens=torch.tensor([n for _, n in entries], dtype=torch.int32),
+        scale=0.125,
+    )
+    out = cpu_ops.paged_decode_attention(rows, key_cache, value_cache, **args)
+    one_by_one = torch.stack(
+        [
+            cpu_ops.paged_decode_attention(
+                rows[i : i + 1],
+                key_cache,
+                value_cache,
+                block_tables=args["block_tables"][i : i + 1],
+                context_lens=args["context_lens"][i : i + 1],
+                scale=0.125,
+            )[0]
+            for i in range(len(entries))
+        ]
+    )
+    reference = cpu_ops.paged_decode_attention_reference(rows, key_cache, value_cache, **args)
+    assert torch.equal(out, one_by_one)
+    tolerance = ATTENTION_TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("lens", [[900, 1, 2, 1, 3, 1], [1, 1, 1, 1, 2, 700], [0, 5, 0], [333]])
 def test_unequal_contexts_split_by_cost_cover_every_row_once(threads: int, lens: list[int]) -> None:
