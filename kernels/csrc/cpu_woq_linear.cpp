@@ -79,6 +79,16 @@ AMX_TARGET void configure(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
+// Every tile 16 rows of 64 bytes (`strip16_fused`: C of four 16-row blocks x 16 columns, x and W tiles).
+AMX_TARGET void configure_wide() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // d (and m) of a tile's 16 columns spread over the 32 lanes of a row: lanes 0-15 are columns 0-7, 16-31 are 8-15.
 struct LaneScales {
   __m512 lo, hi;
@@ -212,6 +222,61 @@ AMX_TARGET void strip_fused(const uint16_t* x, int64_t M, int64_t K, const Weigh
   store_c(rows0, rows1, acc, y + s * kStripN, N);
 }
 
+// 32 < M <= 64: strips of 16 columns, so that the C tiles of all four 16-row blocks fit (tmm0-3) beside one W
+// tile (tmm6) and the x tiles (tmm4, 5, 7 in turn): each K block's W tile is expanded into L1 once and consumed
+// by every row of x right after, as in `strip_fused`. Two 32-row passes would expand every weight twice, and
+// the buffered path's round trip through L2 cost as much again: SmolLM2's layers took ~2x their 32-row time at
+// 33-64 rows (the rows of a structured step: 32 decode rows and the tokens grammars forced). Tiles are 16 rows
+// whatever M is: the rows of the last block past M come from the packed chunk's unset rows, and their C rows are
+// not written out (each C row depends on its own x row only).
+// One K block of `strip16_fused`: W (expanded at `wt`) in tile WT, x of rows 0-15 / 16-31 / 32-47 (/ 48-63)
+// through tiles 4 and 5 in turn. (A macro: the tile intrinsics take their register numbers as literals.)
+#define STRUCTGEN_WIDE_PRODUCTS(WT, xk, chunk, wt, four) \
+  do {                                                   \
+    _tile_loadd(WT, (wt), 64);                           \
+    _tile_loadd(4, (xk), 64);                            \
+    _tile_dpbf16ps(0, 4, WT);                            \
+    _tile_loadd(5, (xk) + 512, 64);                      \
+    _tile_dpbf16ps(1, 5, WT);                            \
+    _tile_loadd(4, (xk) + (chunk), 64);                  \
+    _tile_dpbf16ps(2, 4, WT);                            \
+    if (four) {                                          \
+      _tile_loadd(5, (xk) + (chunk) + 512, 64);          \
+      _tile_dpbf16ps(3, 5, WT);                          \
+    }                                                    \
+  } while (0)
+
+AMX_TARGET void strip16_fused(const uint16_t* x, int64_t M, const Weights& w, int64_t s, uint16_t* buf, float* acc,
+                              uint16_t* y, int64_t N) {
+  const bool four = M > 48;
+  const int64_t chunk = w.kb_count * kChunkM * kGroup;  // x elements per 32-row chunk (`pack_x`)
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  if (four) _tile_zero(3);
+  w.expand(s, 0, buf);
+  for (int64_t kb = 0; kb < w.kb_count; ++kb) {
+    if (kb + kPrefetchAhead < w.kb_count) w.prefetch(s, kb + kPrefetchAhead);
+    const uint16_t* current = buf + (kb & 1) * 512;
+    if (kb + 1 < w.kb_count) w.expand(s, kb + 1, buf + ((kb + 1) & 1) * 512);
+    // W alternates between tiles 6 and 7, so the next block's W load need not wait for this block's products
+    const uint16_t* xk = x + kb * kChunkM * kGroup;
+    if (kb & 1) {
+      STRUCTGEN_WIDE_PRODUCTS(7, xk, chunk, current, four);
+    } else {
+      STRUCTGEN_WIDE_PRODUCTS(6, xk, chunk, current, four);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 16 * 16, 64);
+  _tile_stored(2, acc + 32 * 16, 64);
+  if (four) _tile_stored(3, acc + 48 * 16, 64);
+  for (int64_t r = 0; r < M; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + s * kTileN),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(acc + 16 * r))));
+  }
+}
+
 // M > 32: the strip's whole K extent is expanded once (K / 32 x 2 KB, in L2) and reused by every 32-row chunk
 // of the packed x.
 AMX_TARGET void strip_buffered(const uint16_t* x, int64_t M, int64_t K, const Weights& w, int64_t s, uint16_t* buf,
@@ -254,8 +319,8 @@ AMX_TARGET void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed
 }
 
 AMX_TARGET void woq_linear_amx(const uint16_t* x, int64_t M, int64_t K, const Weights& w, uint16_t* y, int64_t N) {
-  const int64_t strips = N / kStripN;
-  const bool fused = M <= kChunkM;
+  const bool fused = M <= kChunkM, wide = !fused && M <= 2 * kChunkM;
+  const int64_t strips = wide ? N / kTileN : N / kStripN;
   static thread_local std::vector<uint16_t> x_storage;
   x_storage.resize(((M + kChunkM - 1) / kChunkM) * kChunkM * K + 32);
   uint16_t* xp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(x_storage.data()) + 63) & ~uintptr_t(63));
@@ -264,18 +329,22 @@ AMX_TARGET void woq_linear_amx(const uint16_t* x, int64_t M, int64_t K, const We
     pack_x(x, M, K, xp);  // ends in the barrier of its omp for
     // Per thread: expanded weights (2 x 2 KB fused, the strip's K / 32 x 2 KB buffered) and the C staging area.
     static thread_local std::vector<uint16_t> storage;
-    const int64_t buffer = fused ? 2048 : w.kb_count * 1024;
-    storage.resize(buffer + 32 * 32 * 2 + 64);
+    const int64_t buffer = fused || wide ? 2048 : w.kb_count * 1024;
+    storage.resize(buffer + 64 * 16 * 2 + 64);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
     float* acc = reinterpret_cast<float*>(buf + buffer);
     int configured = -1;
     if (fused) {
       configure(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - std::min<int64_t>(M, 16)));
+    } else if (wide) {
+      configure_wide();
     }
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < strips; ++s) {
       if (fused) {
         strip_fused(xp, M, K, w, s, buf, acc, y, N);
+      } else if (wide) {
+        strip16_fused(xp, M, w, s, buf, acc, y, N);
       } else {
         strip_buffered(xp, M, K, w, s, buf, acc, y, N, configured);
       }

@@ -102,8 +102,10 @@ GEMV_MAX_ROWS_WITHOUT_AMX = 12
 # 4 rows, and slower from 8 on, where the bf16 products amortize their reads over more rows.
 INT4_MAX_ROWS = 3
 # Up to this many rows the AMX kernel (the GGUF's blocks expanded in L1, `structgen.models.woq`) takes the batch
-# where it is attached: ~0.5x the bf16 time at 4-32 rows, even with bf16 from 48 on (BENCHMARKS.md).
-WOQ_MAX_ROWS = 32
+# where it is attached: ~0.5x the bf16 time at 4-32 rows; at 33-64 rows (a structured step's decode rows and
+# forced tokens), since its 16-column strips, 0.83-0.91x (SmolLM2's 120 products, 2026-12-05); even with bf16
+# above (BENCHMARKS.md).
+WOQ_MAX_ROWS = 64
 
 QUANTIZATION_CHOICES = ("auto", "int4", "none")
 

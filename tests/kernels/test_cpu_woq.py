@@ -41,7 +41,7 @@ def test_packing_round_trips_to_the_plain_weight(bits: int) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64, 77])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 48, 49, 64, 65, 77])
 @pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (576, 1536)])
 def test_kernel_matches_the_reference(bits: int, rows: int, n: int, k: int) -> None:
     q, d, m = _codes(n, k, bits, seed=rows)

@@ -101,7 +101,9 @@ class _Recorder:
         (4, True, False, True, "gemv"),
         (5, True, False, True, "woq"),
         (32, True, False, True, "woq"),
-        (33, True, False, True, "dense"),
+        (33, True, False, True, "woq"),  # a structured step's decode rows and forced tokens
+        (64, True, False, True, "woq"),
+        (65, True, False, True, "dense"),
         (1, False, True, True, "int4"),  # no AVX512-VNNI: torch's int4 kernel for single streams
         (3, False, True, True, "int4"),
         (4, False, True, True, "woq"),
