@@ -224,6 +224,8 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
     }
   }
   softmax_within(scores, len, qlen, G);
+  // bf16 values: the accumulators hold even and odd dimensions apart (see the loop), put back in order at the end.
+  constexpr bool kSplitValues = std::is_same_v<KVT, c10::BFloat16> && V % 2 == 0;
   __m512 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
@@ -234,12 +236,34 @@ void attend_avx512(const float* qf, const typename Elem<KVT>::storage* kc, const
     for (int64_t i = 0; i < n; ++i) {
       const KS* row = vb + i * slot_stride;
       __m512 vv[V];
-      for (int v = 0; v < V; ++v) vv[v] = load16<KVT>(row + 16 * v);
+      if constexpr (kSplitValues) {
+        // 32 bf16 values a load, widened in place: the even ones by a shift, the odd ones by a mask (two
+        // one-cycle operations where widening 16 at a time is a cross-lane shuffle and a shift per 16).
+        for (int c = 0; c < V / 2; ++c) {
+          const __m512i raw = _mm512_loadu_si512(row + 32 * c);
+          vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+          vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        }
+      } else {
+        for (int v = 0; v < V; ++v) vv[v] = load16<KVT>(row + 16 * v);
+      }
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * len + t0 + i]);
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
       }
     }
+  }
+  if constexpr (kSplitValues) {
+    // acc[g][2c] holds the even dimensions of the c-th 32, acc[g][2c + 1] the odd ones: interleaved back.
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < V / 2; ++c) {
+        _mm512_storeu_ps(out + g * D + 32 * c, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
+        _mm512_storeu_ps(out + g * D + 32 * c + 16,
+                         _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
+      }
+    return;
   }
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, acc[g][v]);
