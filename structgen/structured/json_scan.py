@@ -56,6 +56,16 @@ class JsonScanner:
         return hash(tuple(self.keys)) if self.keys else 0
 
     @property
+    def in_key(self) -> bool:
+        """Inside an object's key (where `member` still names the member before it)."""
+        return self._key >= 0
+
+    @property
+    def escaped(self) -> bool:
+        """Right after a backslash inside a string (an escape's letter comes next)."""
+        return self._escaped
+
+    @property
     def depth(self) -> int:
         return len(self.stack)
 

@@ -25,6 +25,16 @@ the batch that stands there. Rates move per row, and a batch feeds many rows a s
 are spaced in rows accordingly. A request's own table (a seeded request's: `StructuredRequest.share_hints`) meets
 each member afresh, so there the first measure of a kind of position decides it (one wide fill to learn that a
 name is wide, not four), where a compile's table, fed by a whole batch, averages from the start.
+
+Open text (a value's string that takes free text, where the grammar does not force the next bytes) is never
+filled ahead for its width: its mask allows every content token that fits the room left (tens of thousands;
+narrow only a character or two before a `maxLength`), filling it walks the vocabulary (~0.3 ms a row on
+SmolLM2's, 0.5-1.2 ms on cl100k's), and a narrow row saves ~40 us (its share of the lm_head and of the pick). A
+request's own table tried each member's strings afresh and again every ~30 rows: on `optional_anyof`
+(BENCHMARKS.md, issue 22) those tries were ~60% of SmolLM2's mask fills. Such rows are picked lazily; one whose
+pick is rejected is filled then. Whether a kind of position is open text is told once
+(`StructuredRequest.hint_context` asks the grammar about a few letters): an enum's string, a date's digits, a
+key, stay narrow candidates.
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ class PickHints:
     decay: float = _DECAY
     narrow_retry: float = _NARROW_RETRY
     first_decides: bool = False  # a kind of position's first measured width sets its narrow rate outright
+    # By kind of position inside a string: whether it is open text (see above), told once (`saw_text`).
+    text: dict[int | None, bool] = field(default_factory=dict)
 
     @classmethod
     def private(cls) -> PickHints:
@@ -70,7 +82,12 @@ class PickHints:
     def copy(self) -> PickHints:
         """An independent table starting from what this one learnt (a seeded request's sibling sample)."""
         return PickHints(
-            dict(self.rates), dict(self.narrow), self.decay, self.narrow_retry, self.first_decides
+            dict(self.rates),
+            dict(self.narrow),
+            self.decay,
+            self.narrow_retry,
+            self.first_decides,
+            dict(self.text),
         )
 
     @classmethod
@@ -91,7 +108,11 @@ class PickHints:
 
     def expects_narrow(self, context: int | None) -> bool:
         """Whether the mask at this kind of position is expected to allow few tokens (fill it ahead)."""
-        return self.narrow.get(context, 1.0) > _NARROW_ABOVE
+        return self.narrow.get(context, 1.0) > _NARROW_ABOVE and not self.text.get(context, False)
+
+    def saw_text(self, context: int | None, *, open_text: bool) -> None:
+        """Whether this kind of position inside a string is open text (see the module: never expected narrow)."""
+        self.text[context] = open_text
 
     def sure_narrow(self, context: int | None) -> bool:
         """Whether the mask at this kind of position has been narrow nearly every time (every row there may

@@ -26,6 +26,8 @@ from structgen.structured.spec import StructuredOutputsParams, StructuredSpec
 from structgen.structured.validate import ValidationResult, validate_output
 
 _BETWEEN_VALUES = (OBJECT, ARRAY)
+# Letters that free text takes and few narrower strings do (an enum's values, digits, a date), both cases.
+_TEXT_PROBES = b"exQ"
 
 
 class StructuredRequest:
@@ -61,7 +63,9 @@ class StructuredRequest:
         between values: the object or array open and the last byte written outside strings (`:` before a value,
         `,` or `{` before a key, `"` or a digit after a value), which tells a structural point from a value's
         start; inside a string: whether the grammar forces its next bytes (a string at its `maxLength` allows
-        only its closing quote: narrow), asked of the grammar (~2 µs); inside a number: that."""
+        only its closing quote: narrow), asked of the grammar (~2 µs), and whether it is a key; inside a
+        number: that. The first time a value's string stands where nothing is forced, the pick hints are told
+        whether that kind of position is open text (`_saw_text`)."""
         scanner = self.finisher.scanner if self.finisher is not None else None
         if scanner is None:
             return None
@@ -73,12 +77,30 @@ class StructuredRequest:
                 forced = bool(self.grammar.forced_bytes())
             except Exception:  # a grammar bug surfaces where its mask is filled; here it only guesses
                 forced = False
-            detail = kind << 8 | forced
+            # A key is written while its object's last key still stands for the member: told apart here.
+            detail = kind << 8 | forced << 1 | scanner.in_key
+            if not forced and not scanner.in_key:
+                context = hash((detail, scanner.member))
+                if context not in self.pick_hints.text and not scanner.escaped:
+                    self._saw_text(context)
+                return context
         else:
             detail = kind or 0
         # By member, a request's own table too: a zip code's digits and a name's letters filed together made
         # the name's rows filled ahead as if narrow; alone, a request learns each member from its first look.
         return hash((detail, scanner.member))
+
+    def _saw_text(self, context: int) -> None:
+        """Tell the pick hints whether this string takes free text: the grammar takes each of a few letters here
+        (an enum's string, a pattern of digits, take few of them; ~2 µs a letter, once per kind of position)."""
+        assert self.finisher is not None and self.grammar is not None
+        by_byte = self.finisher.tokens.by_byte
+        letters = [by_byte[b] for b in _TEXT_PROBES if b in by_byte]
+        try:
+            open_text = len(letters) > 1 and all(self.grammar.validate_tokens((t,)) == 1 for t in letters)
+        except Exception:  # a grammar bug surfaces where its mask is filled; here it only guesses
+            open_text = False
+        self.pick_hints.saw_text(context, open_text=open_text)
 
     @property
     def initial_need(self) -> int | None:

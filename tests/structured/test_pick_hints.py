@@ -89,6 +89,24 @@ def test_a_requests_own_table_learns_a_position_from_its_first_look() -> None:
     assert sample.narrow != hints.narrow  # a sibling sample's table is its own
 
 
+def test_open_text_is_never_expected_narrow() -> None:
+    """A string that takes free text has a wide mask that is costly to fill: never filled ahead, before any look
+    and however long it goes unfilled. A string told not to be open text, and other positions, keep their own
+    expectations, in copies too."""
+    for hints in (PickHints.private(), PickHints.shared()):
+        assert hints.expects_narrow(STRING)  # unmeasured: tried
+        hints.saw_text(STRING, open_text=True)
+        hints.saw_text(STRING + 1, open_text=False)  # an enum's string
+        assert not hints.expects_narrow(STRING) and hints.expects_narrow(STRING + 1)
+        assert hints.expects_narrow(NUMBER)
+        for _ in range(1000):
+            hints.left_unfilled(STRING)
+        hints.saw_width(STRING, narrow=True)
+        assert not hints.expects_narrow(STRING)
+        sample = hints.copy()
+        assert not sample.expects_narrow(STRING) and sample.expects_narrow(STRING + 1)
+
+
 def _rows_left_unfilled_until_retried(hints: PickHints, position: int) -> int:
     """How many rows at `position` go unfilled before its expectation fades back to a try."""
     skipped = 0

@@ -121,6 +121,30 @@ def test_a_position_in_doubt_is_filled_ahead_for_one_row_a_step(manager, backend
     assert sorted(processor.narrow_rows(seqs, info.vocab_size)) == [0, 1, 2, 3, 4]
 
 
+def test_a_row_in_open_text_is_left_unfilled(manager, backends, info) -> None:
+    """A row at a kind of position the hints know as open text is not filled for narrow logits: its pick is
+    checked against its grammar alone, and its row filled only if the sampler needs it."""
+    from structgen.sampling_params import SamplingParams
+    from structgen.structured.pick_hints import PickHints
+
+    digit = backends["llguidance"].compile(StructuredOutputsParams(regex=r"[0-9]").to_spec())
+    hints = PickHints()
+    hints.saw_text(None, open_text=True)
+    seqs = [
+        SimpleNamespace(
+            grammar=digit,
+            params=SamplingParams(),
+            structured=SimpleNamespace(pick_hints=hints, hint_context=None),
+        )
+    ]
+    processor = StructuredLogitsProcessor(manager, lambda seq: seq.grammar, defer=True)
+    processor.narrow_limit = 64
+    processor.prepare(seqs)
+    assert processor.narrow_rows(seqs, info.vocab_size) == {}
+    mask = processor(torch.zeros(1, info.vocab_size), seqs)
+    assert mask is not None and list(mask.unfilled) == [0] and mask.eager == []
+
+
 def test_hint_context_tells_positions_and_members_apart(manager, encode) -> None:
     schema = {
         "type": "object",
@@ -143,6 +167,47 @@ def test_hint_context_tells_positions_and_members_apart(manager, encode) -> None
     # A string with room differs from one at its maxLength (its closing quote forced), a value's start from
     # its content, and each member from the others.
     assert len({before_s, in_s, s_full, before_n, in_n, before_t, in_t}) == 7
+    # Strings with room are open text (never filled ahead for their width), told once each; the forced quote
+    # and the positions between values or in a number are not asked about.
+    assert req.pick_hints.text == {in_s: True, in_t: True}
+
+
+def test_only_strings_that_take_free_text_are_open_text(manager, encode) -> None:
+    """An enum's string and a pattern of digits are narrow candidates like any structural point; a key is told
+    apart from the value before it (its object's last key still names that member while it is written)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "color": {"enum": ["red", "green", "blue"]},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            "tag": {"type": "string"},
+        },
+        "required": ["name", "color", "zip", "tag"],
+        "additionalProperties": False,
+    }
+    req = StructuredRequest(manager, StructuredOutputsParams(json=schema))
+    req.start()
+    contexts = {}
+    for label, piece in (
+        ("before", '{"name":'),
+        ("name", '"a'),
+        ("key", '","'),
+        ("color", 'color":"'),
+        ("zip", 'red","zip":"1'),
+        ("tag", '2345","tag":"x'),
+    ):
+        req.accept(encode(piece))
+        contexts[label] = req.hint_context
+    hints = req.pick_hints
+    assert hints.text == {
+        contexts["name"]: True,
+        contexts["color"]: False,
+        contexts["zip"]: False,
+        contexts["tag"]: True,
+    }
+    assert contexts["key"] != contexts["name"] and contexts["key"] not in hints.text
+    assert hints.expects_narrow(contexts["color"]) and not hints.expects_narrow(contexts["name"])
 
 
 def test_requests_of_one_compile_share_their_pick_hints(manager) -> None:
