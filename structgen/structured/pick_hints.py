@@ -32,9 +32,13 @@ narrow only a character or two before a `maxLength`), filling it walks the vocab
 SmolLM2's, 0.5-1.2 ms on cl100k's), and a narrow row saves ~40 us (its share of the lm_head and of the pick). A
 request's own table tried each member's strings afresh and again every ~30 rows: on `optional_anyof`
 (BENCHMARKS.md, issue 22) those tries were ~60% of SmolLM2's mask fills. Such rows are picked lazily; one whose
-pick is rejected is filled then. Whether a kind of position is open text is told once
-(`StructuredRequest.hint_context` asks the grammar about a few letters): an enum's string, a date's digits, a
-key, stay narrow candidates.
+pick is rejected is filled then. Nor is such a row hinted where its lazy picks keep being rejected (a random
+model's, writing past a `maxLength` or into a quote): masking it first needs that fill up front, its allowed
+tokens are too many to pick among cheaply, and the sixteen candidates a rejected pick draws again mostly find
+an allowed one: on `tiny`'s `optional_anyof` ~130 such rows in 150 steps were filled ahead (~650 us each);
+not hinted, ~25 more rows than before needed a fill (after their candidates), the others none. Whether a kind of
+position is open text is told once (`StructuredRequest.hint_context` asks the grammar about a few letters): an
+enum's string, a date's digits, a key, stay narrow candidates.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ class PickHints:
         return cls(decay=_SHARED_DECAY, narrow_retry=_SHARED_NARROW_RETRY)
 
     def hinted(self, context: int | None) -> bool:
-        """Whether a pick at this kind of position is expected to be rejected (mask first)."""
-        return self.rates.get(context, 0.0) > _HINT_ABOVE
+        """Whether a pick at this kind of position is expected to be rejected (mask first). Never in open text:
+        see the module."""
+        return self.rates.get(context, 0.0) > _HINT_ABOVE and not self.text.get(context, False)
 
     def picked_lazily(self, context: int | None, *, rejected: bool) -> None:
         rate = self.rates.get(context, 0.0)

@@ -114,3 +114,18 @@ def _rows_left_unfilled_until_retried(hints: PickHints, position: int) -> int:
         hints.left_unfilled(position)
         skipped += 1
     return skipped
+
+
+def test_open_text_is_never_hinted() -> None:
+    """Lazy picks rejected again and again in a string that takes free text do not hint it (its fill is costly
+    and its candidates mostly allowed); the same rejections hint a position that is not open text, and a kind
+    of position not yet told apart."""
+    for hints in (PickHints.private(), PickHints.shared()):
+        hints.saw_text(STRING, open_text=True)
+        hints.saw_text(STRING + 1, open_text=False)
+        for _ in range(6):
+            for position in (STRING, STRING + 1, NUMBER):
+                hints.picked_lazily(position, rejected=True)
+        assert not hints.hinted(STRING)
+        assert hints.hinted(STRING + 1) and hints.hinted(NUMBER)
+        assert not hints.copy().hinted(STRING) and hints.copy().hinted(STRING + 1)
