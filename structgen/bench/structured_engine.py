@@ -225,6 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument(
         "--passes", type=int, default=3, help="HTTP passes, the sides alternating (default %(default)s)"
     )
+    s.add_argument(
+        "--no-settle",
+        dest="settle",
+        action="store_false",
+        help="count from 5 steps after the first prefill, the constrained side's first wave not staggered (the "
+        "measure before session 27), instead of after max_tokens more steps, in the steady state",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     max_tokens = args.max_tokens if args.max_tokens is not None else 32

@@ -7,9 +7,9 @@ this process their Python work (and the outputs' checks) would hold the server's
 whose requests finish sooner. Per shape and side, a closed loop as in process: `--concurrency` client workers
 each keep one non-streamed chat completion in flight, sending the next (a new prompt and seed) as soon as one
 returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra field) on the
-other, temperature 1, `max_tokens` (the unconstrained side's first wave staggered, as in process). A window
-opens at a step boundary `WARMUP_STEPS` steps after the side's first step and closes `--http-steps` steps
-later; then the workers are cancelled (their connections close and the server aborts what they had in flight)
+other, temperature 1, `max_tokens` (both sides' first waves staggered, as in process). A window opens at a
+step boundary `settle_steps` steps after the side's first step (its requests then of every age, as in a
+server's steady state: see `structured_shapes`) and closes `--http-steps` steps later; then the workers are cancelled (their connections close and the server aborts what they had in flight)
 and the engine drains before the other side starts. The sides
 alternate over `--passes` windows each (the first side of a pass alternates too), so drift and the engine's
 warm state hit both alike. A warm-up request per side first compiles the schema.
@@ -35,7 +35,7 @@ from typing import Any
 from structgen.bench.http_clients import ClientProcess, Workload
 from structgen.bench.structured_engine import make_engine
 from structgen.bench.structured_shape_schemas import SHAPES, prompt_format, validator
-from structgen.bench.structured_shapes import SEED, WARMUP_STEPS, Tally, ratios
+from structgen.bench.structured_shapes import SEED, Tally, ratios, settle_steps
 
 # The two sides, in the order of even passes.
 SIDES = ("unconstrained", "json")
@@ -44,10 +44,17 @@ _DRAIN_TIMEOUT_S = 120.0
 
 
 def _workload(
-    name: str, shape: str, first_index: int, *, side: str, max_tokens: int, concurrency: int = 0
+    name: str,
+    shape: str,
+    first_index: int,
+    *,
+    side: str,
+    max_tokens: int,
+    concurrency: int = 0,
+    settle: bool = True,
 ) -> Workload:
     template: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 1.0}
-    stagger = 0
+    stagger = concurrency if settle else 0  # the first wave staggered, as in process (`make_sides`)
     if side == "json":
         schema = SHAPES[shape]
         template["response_format"] = {
@@ -126,15 +133,16 @@ def _window(
     workload: Workload,
     *,
     steps: int,
+    settle: int,
     tally: Tally,
     check: Any | None,
 ) -> tuple[int, float]:
-    """One side's closed loop for one window of `steps` engine steps; adds to `tally`; the next index and
-    the window's sampled tokens/s."""
+    """One side's closed loop for one window of `steps` engine steps, `settle` steps after its first; adds to
+    `tally`; the next index and the window's sampled tokens/s."""
     first = counters.read()[0]
     clients.run(workload)
     try:
-        start_s, start = counters.boundary(first + 1 + WARMUP_STEPS, clients)
+        start_s, start = counters.boundary(first + 1 + settle, clients)
         end_s, end = counters.boundary(start[0] + steps, clients)
     finally:
         finished, next_index = clients.stop()
@@ -151,6 +159,7 @@ def _window(
 
 def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **options: Any) -> dict[str, Any]:
     concurrency, max_tokens, steps = options["concurrency"], options["max_tokens"], options["steps"]
+    settle = options["settle"]
     tallies = {side: Tally() for side in SIDES}
     checks = {"unconstrained": None, "json": validator(SHAPES[shape])}
     next_index = dict.fromkeys(SIDES, 0)  # a new prompt and seed per request, per side
@@ -161,10 +170,22 @@ def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **optio
         for p in range(passes):
             for side in SIDES if p % 2 == 0 else SIDES[::-1]:
                 workload = _workload(
-                    name, shape, next_index[side], side=side, max_tokens=max_tokens, concurrency=concurrency
+                    name,
+                    shape,
+                    next_index[side],
+                    side=side,
+                    max_tokens=max_tokens,
+                    concurrency=concurrency,
+                    settle=settle,
                 )
                 next_index[side], rate = _window(
-                    clients, counters, workload, steps=steps, tally=tallies[side], check=checks[side]
+                    clients,
+                    counters,
+                    workload,
+                    steps=steps,
+                    settle=settle_steps(max_tokens, settle=settle),
+                    tally=tallies[side],
+                    check=checks[side],
                 )
                 window_rates[side].append(rate)
     result = ratios(tallies["unconstrained"], tallies["json"], report=_side)
@@ -207,7 +228,14 @@ def _side(tally: Tally) -> dict[str, Any]:
 
 
 def run_http(
-    model: str | None, shapes: list[str], *, steps: int, passes: int, concurrency: int, max_tokens: int
+    model: str | None,
+    shapes: list[str],
+    *,
+    steps: int,
+    passes: int,
+    concurrency: int,
+    max_tokens: int,
+    settle: bool = True,
 ) -> dict[str, Any]:
     """{shape: result} measured through the server (see the module's docstring)."""
     from structgen.bench.server import _Uvicorn
@@ -225,7 +253,7 @@ def run_http(
         )
     )
     name = model or "smollm2-135m"
-    options = {"concurrency": concurrency, "max_tokens": max_tokens, "steps": steps}
+    options = {"concurrency": concurrency, "max_tokens": max_tokens, "steps": steps, "settle": settle}
     try:
         with _Uvicorn(build_app(engine, engine.engine.tokenizer, model_name=name)) as url:
             return {shape: _shape(url, engine, name, shape, passes=passes, **options) for shape in shapes}

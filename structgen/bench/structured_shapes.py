@@ -15,8 +15,16 @@ arrays of objects with integers, booleans, enums and short strings, where every 
   steps against 256 tokens) saw none end: that side paid for no prompt while the constrained side, whose
   outputs end sooner and at their own times, paid for all of its replacements' (the measure's bias, not the
   engine's cost; until session 23 the tables carried it).
-  After a warm-up (the first prefill + 5 steps; the schema compiled before), each side runs `--steps` steps,
-  summing the time of its own `engine.step()` calls. Tokens: `counters.num_generated_tokens` counts sampled
+  Staggered or not, a first wave starts all at once: in the first `max_tokens` steps its requests are younger
+  than a server's steady state holds (uniform ages up to `max_tokens`), and their contexts shorter. Measured
+  after 5 steps, the unconstrained side's contexts averaged 93 tokens against 142 in the steady state, the
+  constrained side's (its outputs written faster, with forced tokens) 131 against 132 (`tiny`,
+  `optional_anyof`): its attention read ~40% more cache than the other side's, a cost of the window, not of
+  structure (until session 27 the tables carried it). So the constrained side's first wave is staggered too
+  (a request of it with a small budget is closed at it, as a server closes any output at its budget), and both
+  sides settle for `max_tokens` steps after the warm-up (the first prefill + 5 steps; the schema compiled
+  before) before each runs `--steps` counted steps (`--no-settle`: the old measure), summing the time of its
+  own `engine.step()` calls. Tokens: `counters.num_generated_tokens` counts sampled
   tokens (one per sampled row per step), `output_processor.num_forced_tokens` the jump-forward ones (forced
   prefixes at the start, forced runs after a sampled token, budget-closing completions). Each finished
   constrained output is checked with `jsonschema`.
@@ -25,7 +33,7 @@ arrays of objects with integers, booleans, enums and short strings, where every 
 - `--http`: the same shapes through the OpenAI server (`structured_http`).
 
     structgen bench structured --parts s [--shapes items,nested] [--steps 200] [--concurrency 32]
-        [--max-tokens 256] [--breakdown] [--http --http-steps 100 --passes 3] [--json OUT]
+        [--max-tokens 256] [--breakdown] [--http --http-steps 100 --passes 3] [--no-settle] [--json OUT]
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ from structgen.bench.structured_shape_schemas import SHAPES, prompt, validator
 
 SEED = 1000
 WARMUP_STEPS = 5  # after the first prefill; not counted
+
+
+def settle_steps(max_tokens: int, *, settle: bool = True) -> int:
+    """Steps run before a window counts (after the first prefill): `max_tokens` more than the warm-up, so that
+    both sides' first waves (staggered) have ended and their requests are of every age, as in a server's steady
+    state; `settle` off: the warm-up alone (the measure before session 27)."""
+    return WARMUP_STEPS + (max_tokens if settle else 0)
 
 
 @dataclass(slots=True)
@@ -160,22 +175,21 @@ def closed_loop(
     max_tokens: int,
     tag: str,
     timer: PhaseTimer | None = None,
+    settle: bool = True,
 ) -> tuple[Side, Side]:
-    """(unconstrained, constrained) sides after `steps` measured steps each, alternating."""
+    """(unconstrained, constrained) sides after `steps` measured steps each, alternating, counted from the
+    steady state (`settle_steps`)."""
     schema = SHAPES[shape]
     engines[1].structured.ensure_manager().compile(
         params(1, seed=0, schema=schema).structured_outputs.to_spec()
     )
-    sides = (
-        Side(engines[0], shape, None, max_tokens, f"{tag}u", stagger=concurrency),
-        Side(engines[1], shape, schema, max_tokens, f"{tag}c", check=validator(schema)),
-    )
+    sides = make_sides(engines, shape, concurrency=concurrency, max_tokens=max_tokens, tag=tag, settle=settle)
     for side in sides:
         if timer is not None:
             side.phases = PhaseTotals()
         for _ in range(concurrency):
             side.add()
-    for _ in range(1 + WARMUP_STEPS):
+    for _ in range(1 + settle_steps(max_tokens, settle=settle)):
         for side in sides:
             side.step(timer)
     for side in sides:
@@ -187,6 +201,27 @@ def closed_loop(
     for side in sides:
         side.close()
     return sides
+
+
+def make_sides(
+    engines: tuple[Any, Any], shape: str, *, concurrency: int, max_tokens: int, tag: str, settle: bool = True
+) -> tuple[Side, Side]:
+    """(unconstrained, constrained) sides of a closed loop. Both first waves are staggered when the loop settles
+    before counting (a constrained request of the first wave with a small budget is closed at it), else only
+    the unconstrained side's (the measure before session 27, whose constrained side started all at once)."""
+    schema = SHAPES[shape]
+    return (
+        Side(engines[0], shape, None, max_tokens, f"{tag}u", stagger=concurrency),
+        Side(
+            engines[1],
+            shape,
+            schema,
+            max_tokens,
+            f"{tag}c",
+            check=validator(schema),
+            stagger=concurrency if settle else 0,
+        ),
+    )
 
 
 def counts(tally: Tally) -> dict[str, Any]:
@@ -224,6 +259,7 @@ def run_in_process(
     steps: int,
     max_tokens: int,
     breakdown: bool,
+    settle: bool = True,
 ) -> dict[str, Any]:
     kv = max(32768, 2 * concurrency * (max_tokens + 64))  # room for every row's prompt + output, twice over
     engines = tuple(
@@ -234,7 +270,13 @@ def run_in_process(
     try:
         for shape in shapes:
             plain, constrained = closed_loop(
-                engines, shape, concurrency=concurrency, steps=steps, max_tokens=max_tokens, tag="m"
+                engines,
+                shape,
+                concurrency=concurrency,
+                steps=steps,
+                max_tokens=max_tokens,
+                tag="m",
+                settle=settle,
             )
             results[shape] = ratios(plain.tally, constrained.tally)
             if breakdown:
@@ -248,6 +290,7 @@ def run_in_process(
                         max_tokens=max_tokens,
                         tag="b",
                         timer=timer,
+                        settle=settle,
                     )
                 table = {
                     name: side.phases.ms_per_step()
@@ -292,7 +335,7 @@ def run(args: Any) -> dict[str, Any]:
     """Part (s) for `structured_engine.main`: the in-process table, then (with `--http`) the server's."""
     shapes = [s for s in args.shapes.split(",") if s]  # checked against SHAPES by the argument parser
     max_tokens = args.max_tokens if args.max_tokens is not None else 256
-    options = {"concurrency": args.concurrency, "max_tokens": max_tokens}
+    options = {"concurrency": args.concurrency, "max_tokens": max_tokens, "settle": args.settle}
     result: dict[str, Any] = {**options, "steps": args.steps}
     if args.steps > 0:  # 0: through HTTP only
         result["in_process"] = run_in_process(

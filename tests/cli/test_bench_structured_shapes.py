@@ -16,7 +16,7 @@ from structgen.bench import structured_http
 from structgen.bench import structured_phases as phases
 from structgen.bench.structured_engine import SHAPE_NAMES
 from structgen.bench.structured_shape_schemas import SHAPES, validator
-from structgen.bench.structured_shapes import Side, Tally
+from structgen.bench.structured_shapes import Tally, make_sides, settle_steps
 from structgen.cli import main
 
 RATES = ("unconstrained_tok_s", "constrained_sampled_tok_s", "ratio_sampled", "constrained_total_tok_s")
@@ -70,16 +70,20 @@ class _Recorder:
         self.budgets.append(params.max_tokens)
 
 
-def test_the_unconstrained_sides_first_wave_is_staggered_and_the_constrained_sides_is_not() -> None:
-    plain, constrained = _Recorder(), _Recorder()
-    plain_side = Side(plain, "items", None, 256, "u", stagger=32)
-    json_side = Side(constrained, "items", SHAPES["items"], 256, "c")
-    for _ in range(34):
-        plain_side.add()
-        json_side.add()
-    # One of the first wave ends every 8 steps, and so do their replacements (all 256): the steady state.
-    assert plain.budgets == [8 * (i + 1) for i in range(32)] + [256, 256]
-    assert constrained.budgets == [256] * 34
+def test_both_first_waves_are_staggered_and_counted_once_ended() -> None:
+    """Settling (the default): both sides' first waves end one request every 8 steps, and the window opens
+    after the budget's steps, when every first-wave request has ended and the replacements started at every
+    age. Without it (the measure before session 27) only the unconstrained side is staggered, 5 steps in."""
+    for settle, json_budgets in ((True, [8 * (i + 1) for i in range(32)]), (False, [256] * 32)):
+        engines = (_Recorder(), _Recorder())
+        sides = make_sides(engines, "items", concurrency=32, max_tokens=256, tag="t", settle=settle)  # type: ignore[arg-type]
+        for _ in range(34):
+            for side in sides:
+                side.add()
+        assert engines[0].budgets == [8 * (i + 1) for i in range(32)] + [256, 256]
+        assert engines[1].budgets == [*json_budgets, 256, 256]
+        assert settle_steps(256, settle=settle) == (5 + 256 if settle else 5)
+        assert settle_steps(256, settle=settle) > max(engines[1].budgets[:32]) or not settle
 
 
 class _Clock:
