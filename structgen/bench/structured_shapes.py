@@ -19,13 +19,13 @@ arrays of objects with integers, booleans, enums and short strings, where every 
   than a server's steady state holds (uniform ages up to `max_tokens`), and their contexts shorter. Measured
   after 5 steps, the unconstrained side's contexts averaged 93 tokens against 142 in the steady state, the
   constrained side's (its outputs written faster, with forced tokens) 131 against 132 (`tiny`,
-  `optional_anyof`): its attention read ~40% more cache than the other side's, a cost of the window, not of
-  structure (until session 27 the tables carried it). So the constrained side's first wave is staggered too
-  (a request of it with a small budget is closed at it, as a server closes any output at its budget), and both
-  sides settle for `max_tokens` steps after the warm-up (the first prefill + 5 steps; the schema compiled
-  before) before each runs `--steps` counted steps (`--no-settle`: the old measure), summing the time of its
-  own `engine.step()` calls. Tokens: `counters.num_generated_tokens` counts sampled
-  tokens (one per sampled row per step), `output_processor.num_forced_tokens` the jump-forward ones (forced
+  `optional_anyof`): the constrained side's attention read ~40% more cache than the other's, a cost of the
+  window, not of structure (until session 27 the tables carried it). So the constrained side's first wave is
+  staggered too (a request of it with a small budget is closed at it, as a server closes any output at its
+  budget), and both sides settle for `max_tokens` steps after the warm-up (the first prefill + 5 steps; the
+  schema compiled before) before each runs `--steps` counted steps (`--no-settle`: the old measure), summing
+  the time of its own `engine.step()` calls. Tokens: `counters.num_generated_tokens` counts sampled tokens (one
+  per sampled row per step), `output_processor.num_forced_tokens` the jump-forward ones (forced
   prefixes at the start, forced runs after a sampled token, budget-closing completions). Each finished
   constrained output is checked with `jsonschema`.
 - `--breakdown`: the same loop again with the per-phase timers of `structured_phases` installed (a separate
