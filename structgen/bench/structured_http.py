@@ -9,10 +9,11 @@ each keep one non-streamed chat completion in flight, sending the next (a new pr
 returns: `response_format` json_schema on one side, none and `ignore_eos: true` (vLLM's extra field) on the
 other, temperature 1, `max_tokens` (both sides' first waves staggered, as in process). A window opens at a
 step boundary `settle_steps` steps after the side's first step (its requests then of every age, as in a
-server's steady state: see `structured_shapes`) and closes `--http-steps` steps later; then the workers are cancelled (their connections close and the server aborts what they had in flight)
-and the engine drains before the other side starts. The sides
-alternate over `--passes` windows each (the first side of a pass alternates too), so drift and the engine's
-warm state hit both alike. A warm-up request per side first compiles the schema.
+server's steady state: see `structured_shapes`) and closes `--http-steps` steps later; then the workers are
+cancelled (their connections close and the server aborts what they had in flight) and the engine drains
+before the other side starts. The sides alternate over `--passes` windows each (the first side of a pass
+alternates too), so drift and the engine's warm state hit both alike. A warm-up request per side first
+compiles the schema.
 
 Why windows and not a fixed set of requests: with one wave of requests per pass the batch empties as they
 finish, and a side whose outputs vary in length (the JSON one: `nested` stops after ~60 tokens, give or take
@@ -133,16 +134,16 @@ def _window(
     workload: Workload,
     *,
     steps: int,
-    settle: int,
+    opens_after: int,
     tally: Tally,
     check: Any | None,
 ) -> tuple[int, float]:
-    """One side's closed loop for one window of `steps` engine steps, `settle` steps after its first; adds to
+    """One side's closed loop for one window of `steps` engine steps, `opens_after` steps after its first; adds to
     `tally`; the next index and the window's sampled tokens/s."""
     first = counters.read()[0]
     clients.run(workload)
     try:
-        start_s, start = counters.boundary(first + 1 + settle, clients)
+        start_s, start = counters.boundary(first + 1 + opens_after, clients)
         end_s, end = counters.boundary(start[0] + steps, clients)
     finally:
         finished, next_index = clients.stop()
@@ -183,7 +184,7 @@ def _shape(url: str, engine: Any, name: str, shape: str, *, passes: int, **optio
                     counters,
                     workload,
                     steps=steps,
-                    settle=settle_steps(max_tokens, settle=settle),
+                    opens_after=settle_steps(max_tokens, settle=settle),
                     tally=tallies[side],
                     check=checks[side],
                 )
