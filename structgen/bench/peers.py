@@ -253,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_timeout_s=args.start_timeout,
         log_dir=args.log_dir,
     )
+    options.log_dir.mkdir(parents=True, exist_ok=True)  # a new folder is what a user means by --log-dir
     uptime, loadavg = _uptime(), [round(x, 2) for x in os.getloadavg()]
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     print(f"{date}  {uptime}  ({os.cpu_count()} CPUs)")
