@@ -55,9 +55,10 @@ def _paged_cache(
         (9, 3, 64),
         (4, 4, 64),
         (8, 2, 128),
-        (6, 1, 32),
+        (8, 4, 32),
+        (6, 1, 48),
         (10, 1, 64),
-    ],  # fixed-size paths, generic dim, group > 8
+    ],  # fixed-size paths (64, 128, 32), generic dim, group > 8
 )
 def test_paged_decode_attention_matches_references(
     heads: int, kv_heads: int, dim: int, dtype: torch.dtype
@@ -108,9 +109,11 @@ def test_paged_decode_attention_writes_chosen_rows_of_a_strided_query() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1), (6, 2)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 64), (8, 1, 64), (6, 2, 64), (8, 4, 32), (4, 1, 32)]
+)
 def test_rows_of_one_context_attended_together_match_one_by_one(
-    heads: int, kv_heads: int, dtype: torch.dtype
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
     # A sequence's new tokens fed as rows (forced tokens): each sees one more token through the same table, and
     # the kernel attends such runs in one task; each row must get what it gets alone. Runs cross a block edge
@@ -120,15 +123,15 @@ def test_rows_of_one_context_attended_together_match_one_by_one(
     entries = [("a", 15), ("a", 16), ("a", 17), ("a", 18), ("a", 19), ("b", 40), ("d", 41), ("c", 1)]
     entries += [("c", n) for n in range(2, 8)] + [("b", 40)]
     _, key_cache, value_cache, tables, _ = _paged_cache(
-        list(seqs.values()), heads=heads, kv_heads=kv_heads, dim=64, dtype=dtype, seed=5
+        list(seqs.values()), heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, seed=5
     )
     index = {name: i for i, name in enumerate(seqs)}
     gen = torch.Generator().manual_seed(6)
-    rows = torch.randn(len(entries), heads, 64, generator=gen).to(dtype)
+    rows = torch.randn(len(entries), heads, dim, generator=gen).to(dtype)
     args = dict(
         block_tables=tables[[index[name] for name, _ in entries]],
         context_lens=torch.tensor([n for _, n in entries], dtype=torch.int32),
-        scale=0.125,
+        scale=dim**-0.5,
     )
     out = cpu_ops.paged_decode_attention(rows, key_cache, value_cache, **args)
     one_by_one = torch.stack(
@@ -139,7 +142,7 @@ def test_rows_of_one_context_attended_together_match_one_by_one(
                 value_cache,
                 block_tables=args["block_tables"][i : i + 1],
                 context_lens=args["context_lens"][i : i + 1],
-                scale=0.125,
+                scale=dim**-0.5,
             )[0]
             for i in range(len(entries))
         ]
