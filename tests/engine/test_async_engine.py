@@ -195,3 +195,40 @@ def test_a_request_without_streaming_yields_its_first_and_finished_outputs(
     assert outputs[0].outputs[0].token_ids == streamed[0].outputs[0].token_ids
     assert outputs[1].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
     assert outputs[1].outputs[0].text == streamed[-1].outputs[0].text
+
+
+def test_a_steps_outputs_reach_the_event_loop_in_one_call(engine: AsyncEngine) -> None:
+    # Each call_soon_threadsafe wakes the loop (and hands it the GIL): one per step, not one per stream.
+    from structgen.engine.output_streams import deliver
+
+    llm = engine.engine
+    step, step_sizes = llm.step, []
+
+    def counted_step() -> list[RequestOutput]:
+        outputs = step()
+        step_sizes.append(len(outputs))
+        return outputs
+
+    llm.step = counted_step
+    deliveries: list[int] = []
+
+    async def main() -> list[list[RequestOutput]]:
+        loop = asyncio.get_running_loop()
+        call = loop.call_soon_threadsafe
+
+        def counted_call(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if callback is deliver:
+                deliveries.append(len(args[0]))
+            return call(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted_call  # type: ignore[method-assign]
+        return await asyncio.gather(*(collect(engine, p, params(i)) for i, p in enumerate(PROMPTS)))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        del llm.step
+    assert [len(outputs) for outputs in streams] == [6, 6, 6]  # every output arrived, in order (above)
+    assert all(outputs[-1].finished for outputs in streams)
+    assert sum(deliveries) == 18 and len(deliveries) == sum(1 for n in step_sizes if n)
+    assert max(deliveries) == 3  # the three streams' outputs of one step together
