@@ -23,6 +23,7 @@ from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.generation import Call, Started
 from structgen.server.limits import with_default_max_tokens
+from structgen.server.logprobs_body import chat_logprobs
 from structgen.server.openapi import generation_responses
 from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import chat_chunks
@@ -93,7 +94,7 @@ async def run_chat(
         p.ChatChoice(
             index=i,
             message=with_reasoning(tools.message(o), o, include=body.include_reasoning),
-            logprobs=p.chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
+            logprobs=chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
             finish_reason=tools.finish_reason(o),
             structured=p.StructuredInfo.of(o),
         )

@@ -10,6 +10,7 @@ from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
 from structgen.server.generation import Call, Started
+from structgen.server.logprobs_body import completion_logprobs
 from structgen.server.openapi import generation_responses
 from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import completion_chunks
@@ -46,7 +47,7 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
             p.CompletionChoice(
                 index=i,
                 text=(echo[i // params.n] if echo is not None else "") + o.text,
-                logprobs=p.completion_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                logprobs=completion_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
                 finish_reason=o.finish_reason,
                 structured=p.StructuredInfo.of(o),
             )

@@ -18,6 +18,7 @@ from structgen.engine.outputs import CompletionOutput
 from structgen.server import protocol as p
 from structgen.server.errors import APIError, error_body
 from structgen.server.generation import Call, Started, outputs, prompt_tokens
+from structgen.server.logprobs_body import chat_logprobs, completion_logprobs
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -117,7 +118,7 @@ async def chat_chunks(
                 sent[index] += len(answer or ())
         if o.finished:
             rest = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else []
-            logprobs = p.chat_logprobs(call.tokenizer, rest) if rest else None
+            logprobs = chat_logprobs(call.tokenizer, rest) if rest else None
             yield chunk(
                 index, p.ChatDelta(), o.finish_reason, logprobs=logprobs, structured=p.StructuredInfo.of(o)
             )
@@ -141,7 +142,7 @@ def _new_logprobs(
 
 
 def _chat_logprobs(call: Call, entries: list[Any] | None) -> dict[str, Any] | None:
-    return p.chat_logprobs(call.tokenizer, entries) if entries is not None else None
+    return chat_logprobs(call.tokenizer, entries) if entries is not None else None
 
 
 async def completion_chunks(
@@ -179,7 +180,7 @@ async def completion_chunks(
             ):  # the tokens since the last chunk (a partial character waits for its end)
                 start = sent.get(index, 0)
                 offset = len(o.text) - len(o.delta_text)
-                logprobs = p.completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
+                logprobs = completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
                 sent[index] = len(o.logprobs)
             structured = p.StructuredInfo.of(o) if o.finished else None
             yield chunk(index, o.delta_text, logprobs, o.finish_reason, structured)
