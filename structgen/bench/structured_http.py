@@ -36,7 +36,7 @@ from typing import Any
 from structgen.bench.http_clients import ClientProcess, Workload
 from structgen.bench.structured_engine import make_engine
 from structgen.bench.structured_shape_schemas import SHAPES, prompt_format, validator
-from structgen.bench.structured_shapes import SEED, Tally, ratios, settle_steps
+from structgen.bench.structured_shapes import SEED, Tally, first_wave_stagger, ratios, settle_steps
 
 # The two sides, in the order of even passes.
 SIDES = ("unconstrained", "json")
@@ -55,7 +55,6 @@ def _workload(
     settle: bool = True,
 ) -> Workload:
     template: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 1.0}
-    stagger = concurrency if settle else 0  # the first wave staggered, as in process (`make_sides`)
     if side == "json":
         schema = SHAPES[shape]
         template["response_format"] = {
@@ -64,7 +63,7 @@ def _workload(
         }
     else:
         template["ignore_eos"] = True  # never ends early: the conservative baseline, as in process
-        stagger = concurrency  # its first wave staggered: it ends requests at the steady rate, as in process
+    stagger = first_wave_stagger(constrained=side == "json", concurrency=concurrency, settle=settle)
     return Workload(template, prompt_format(shape, tag=side[0]), first_index, SEED, stagger=stagger)
 
 

@@ -60,6 +60,13 @@ def settle_steps(max_tokens: int, *, settle: bool = True) -> int:
     return WARMUP_STEPS + (max_tokens if settle else 0)
 
 
+def first_wave_stagger(*, constrained: bool, concurrency: int, settle: bool = True) -> int:
+    """How many requests a side's first wave spreads its budgets over (0: all `max_tokens`): the unconstrained
+    side's always (it ends requests at the steady rate), the constrained side's when the loop settles before
+    counting (the measure before session 27 started it all at once). In process and through HTTP alike."""
+    return concurrency if settle or not constrained else 0
+
+
 @dataclass(slots=True)
 class Tally:
     """One side's counts over the measured window."""
@@ -211,7 +218,14 @@ def make_sides(
     the unconstrained side's (the measure before session 27, whose constrained side started all at once)."""
     schema = SHAPES[shape]
     return (
-        Side(engines[0], shape, None, max_tokens, f"{tag}u", stagger=concurrency),
+        Side(
+            engines[0],
+            shape,
+            None,
+            max_tokens,
+            f"{tag}u",
+            stagger=first_wave_stagger(constrained=False, concurrency=concurrency, settle=settle),
+        ),
         Side(
             engines[1],
             shape,
@@ -219,7 +233,7 @@ def make_sides(
             max_tokens,
             f"{tag}c",
             check=validator(schema),
-            stagger=concurrency if settle else 0,
+            stagger=first_wave_stagger(constrained=True, concurrency=concurrency, settle=settle),
         ),
     )
 
