@@ -27,6 +27,7 @@ ENV_SWITCH = "STRUCTGEN_CPU_KERNELS"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "cpu_paged_attention.cpp",
+    "cpu_prefill_attention.cpp",
     "cpu_rms_norm.cpp",
     "cpu_rotary.cpp",
     "cpu_activation.cpp",

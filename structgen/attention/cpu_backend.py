@@ -6,10 +6,11 @@ of sequences into a padded copy first; new keys/values are stored by one `write_
 So do the few new tokens of a sequence extending a cached context (the tokens a grammar forced after the last
 pick, jump-forward, are fed with the next one: 2-10 tokens on a long context): each token is one more decode
 row, seeing the context up to itself, where the prefill path would gather the whole context and run SDPA per
-sequence and layer (on structured outputs that was a third of the forward). Longer prefill rows keep the torch
-backend's path (SDPA on the fresh keys, or on a gathered cached prefix), where a GEMM-based kernel beats a
-per-token loop. The torch backend stays the reference these kernels are tested
-against, and the fallback where the kernels cannot be built.
+sequence and layer (on structured outputs that was a third of the forward). Longer prefill rows go through one
+`prefill_attention` call a sequence (AVX512-BF16 flash attention on the paged cache: a 960-token prompt's
+attention ~2.5x faster than SDPA's, ~3.6x where a cached prefix made SDPA take a mask), or, on CPUs or dtypes
+it does not take, the torch backend's path (SDPA on the fresh keys, or on a gathered cached prefix). The torch
+backend stays the reference these kernels are tested against, and the fallback where they cannot be built.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        from structgen.kernels import cpu_ops
+        from structgen.kernels import cpu_ops, cpu_prefill_attention
 
         self._ops = cpu_ops
+        self._prefill = cpu_prefill_attention
         # The decode rows of a mixed step (see `decode_rows`), computed once per step for all layers.
         self._decode_rows: (
             tuple[AttentionMetadata, frozenset[int], torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -74,11 +76,45 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 out=out,
                 rows=rows,
             )
-        if len(decode_seqs) < metadata.num_seqs:
+        if len(decode_seqs) == metadata.num_seqs:
+            return out
+        if self._prefill.supports(query, key_cache):
+            self._prefill_from_cache(query, key_cache, value_cache, metadata, out, scale, decode_seqs)
+        else:
             prefill_attention(
                 query, key, value, key_cache, value_cache, metadata, out=out, scale=scale, skip=decode_seqs
             )
         return out
+
+    def _prefill_from_cache(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+        scale: float,
+        skip: frozenset[int],
+    ) -> None:
+        """The sequences with several new tokens (but those in `skip`), one kernel call each, reading the whole
+        context (its new keys were just written) from the paged cache."""
+        start = 0
+        for i, (query_len, context_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
+        ):
+            rows = slice(start, start + query_len)
+            start += query_len
+            if query_len <= 1 or i in skip:
+                continue
+            self._prefill.prefill_attention(
+                query[rows],
+                key_cache,
+                value_cache,
+                block_table=metadata.block_tables[i],
+                context_len=context_len,
+                scale=scale,
+                out=out[rows],
+            )
 
 
 def decode_rows(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from structgen.kernels import cpu_ops
+from structgen.kernels import cpu_ops, cpu_prefill_attention
 from test_torch_backend import Scenario
 
 from structgen.attention import cpu_backend, torch_backend
@@ -36,6 +36,32 @@ def test_mixed_steps_match_the_dense_reference(case: str, heads: int, kv_heads: 
 def test_bf16_matches_the_torch_backend() -> None:
     cached, new = CASES["extend"]
     scenario = Scenario(cached, new, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
+
+
+# Prompts of several query and key tiles, chunks on cached prefixes (one ending mid-block), a decode row and a
+# 3-token prompt.
+PREFILLS = ([0, 130, 2, 40, 0], [150, 70, 90, 1, 3])
+
+
+@pytest.mark.skipif(not cpu_prefill_attention.available(), reason="needs a CPU with AVX512-BF16")
+def test_bf16_prefills_take_the_kernel_and_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = cpu_prefill_attention.prefill_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", spy)
+    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
+    assert calls == [150, 70, 90, 3]  # every sequence but the decode row
+
+
+def test_bf16_prefills_fall_back_to_sdpa_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_prefill_attention, "available", lambda: False)
+    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
 
 

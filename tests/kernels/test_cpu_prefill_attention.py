@@ -1,0 +1,113 @@
+"""The AVX512-BF16 prefill attention against its float32 reference: prompts and chunks on cached prefixes,
+over scattered cache blocks, every head size and grouping it takes, and the launcher's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structgen.kernels import cpu_prefill_attention as prefill
+
+pytestmark = pytest.mark.skipif(
+    not prefill.available(), reason="needs the native CPU kernels and a CPU with AVX512-BF16"
+)
+
+# The kernel rounds each softmax weight to bf16 before the value product and its output to bf16: a few bf16
+# ulps of outputs of size ~1.
+TOLERANCE = 1.6e-2
+
+
+def _context(
+    context_len: int, *, kv_heads: int, dim: int, block_size: int = 16, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches holding one context in scattered blocks (as after frees and preemptions), and its table, with
+    unused entries past the context and spare blocks of other data."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-context_len // block_size)
+    total = blocks + 4
+    key_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).bfloat16()
+    value_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).bfloat16()
+    table = torch.full((blocks + 2,), -1, dtype=torch.int32)
+    table[:blocks] = torch.randperm(total, generator=gen)[:blocks].int()
+    return key_cache, value_cache, table
+
+
+@pytest.mark.parametrize(
+    ("new", "context_len"),
+    [
+        (1, 1),  # a one-token prompt
+        (7, 7),
+        (64, 64),  # exactly one key tile
+        (65, 65),
+        (100, 100),  # several query and key tiles, a partial last one
+        (33, 130),  # a chunk on a cached prefix that ends mid-block and mid-tile
+        (200, 202),  # a prompt whose first tokens the prefix cache held
+        (5, 300),
+    ],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 64)])
+def test_matches_the_reference(new: int, context_len: int, heads: int, kv_heads: int, dim: int) -> None:
+    key_cache, value_cache, table = _context(context_len, kv_heads=kv_heads, dim=dim, seed=new + context_len)
+    query = torch.randn(new, heads, dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    args = dict(block_table=table, context_len=context_len, scale=dim**-0.5)
+    out = prefill.prefill_attention(query, key_cache, value_cache, **args)
+    expected = prefill.prefill_attention_reference(query, key_cache, value_cache, **args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_sharp_scores_keep_the_softmax_exact() -> None:
+    """Large scores (a peaked softmax, where a running max that lagged would overflow) and a later tile that
+    raises the max: the result still matches."""
+    key_cache, value_cache, table = _context(150, kv_heads=2, dim=64, seed=3)
+    key_cache[table[8].item()] *= 30  # keys 128..143 score far above the rest
+    query = torch.randn(150, 4, 64, generator=torch.Generator().manual_seed(2)).bfloat16() * 4
+    args = dict(block_table=table, context_len=150, scale=0.125)
+    out = prefill.prefill_attention(query, key_cache, value_cache, **args)
+    expected = prefill.prefill_attention_reference(query, key_cache, value_cache, **args)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_reads_and_writes_strided_rows_only() -> None:
+    """q as a view of a fused qkv projection (rows wider than the heads), the output into rows of a larger
+    tensor: only those rows change."""
+    key_cache, value_cache, table = _context(70, kv_heads=3, dim=64, seed=5)
+    qkv = torch.randn(70, (9 + 2 * 3) * 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    query = qkv[:, : 9 * 64].view(70, 9, 64)
+    out = torch.full((80, 9, 64), 7.0, dtype=torch.bfloat16)
+    args = dict(block_table=table, context_len=70, scale=0.125)
+    prefill.prefill_attention(query, key_cache, value_cache, out=out[5:75], **args)
+    expected = prefill.prefill_attention_reference(query.contiguous(), key_cache, value_cache, **args)
+    torch.testing.assert_close(out[5:75].float(), expected.float(), atol=TOLERANCE, rtol=TOLERANCE)
+    assert (out[:5] == 7).all() and (out[75:] == 7).all()
+
+
+def test_supports_only_what_the_kernel_takes() -> None:
+    key_cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    assert prefill.supports(torch.zeros(3, 2, 64, dtype=torch.bfloat16), key_cache)
+    assert not prefill.supports(torch.zeros(3, 2, 64), key_cache.float())
+    assert not prefill.supports(torch.zeros(3, 2, 48, dtype=torch.bfloat16), key_cache[..., :48])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"query": torch.zeros(4, 2, 64)}, "query must be bfloat16"),
+        ({"query": torch.zeros(4, 2, 48, dtype=torch.bfloat16)}, "query must have shape"),
+        ({"context_len": 3}, "context_len"),
+        ({"context_len": 100}, "context_len"),
+        ({"block_table": torch.tensor([0, 9], dtype=torch.int32)}, "out of range"),
+        ({"block_table": torch.tensor([0, 1])}, "block_table must be int32"),
+    ],
+)
+def test_bad_calls_raise_a_clear_error(change: dict, message: str) -> None:
+    args = {
+        "query": torch.zeros(4, 2, 64, dtype=torch.bfloat16),
+        "key_cache": torch.zeros(3, 16, 1, 64, dtype=torch.bfloat16),
+        "value_cache": torch.zeros(3, 16, 1, 64, dtype=torch.bfloat16),
+        "block_table": torch.tensor([0, 1], dtype=torch.int32),
+        "context_len": 20,
+        "scale": 0.125,
+    } | change
+    query, key_cache, value_cache = args.pop("query"), args.pop("key_cache"), args.pop("value_cache")
+    with pytest.raises(ValueError, match=message):
+        prefill.prefill_attention(query, key_cache, value_cache, **args)
