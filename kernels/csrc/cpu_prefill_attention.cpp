@@ -4,15 +4,17 @@
 //
 // Why: torch's CPU flash kernel (SDPA) ran a 960-token SmolLM2 prompt at ~13 ms a layer with the prefix cache's
 // offset mask and ~9 ms causal, 60% of the prompt's forward: ~115-175 GFLOP/s, where the dot products below run
-// at AVX512-BF16's pairwise rate (VDPBF16PS: 32 products an instruction, exact, summed in fp32).
+// at AVX512-BF16's pairwise rate (VDPBF16PS: 32 products an instruction, exact, summed in fp32). This kernel:
+// ~2.5 ms a layer on that prompt, either way (2-core Zen 5; BENCHMARKS.md, the peers' session 29).
 //
 // Per KV head, the context's keys and values are first repacked once for all the query heads of its group:
 //   keys   [key group of 16][dim pair p][key j]    (int32 = the bf16 pair k[2p], k[2p + 1] of key 16 g + j)
 //   values [key pair kp][dim d][2]                 (bf16 v[2 kp][d], v[2 kp + 1][d])
 // so a score tile is dim-pair broadcasts of the query against 16 keys a vector, and the value product is key-pair
-// broadcasts of the weights against 16 dims a vector. Scores are fp32, the softmax is exact (online: running max
-// and sum, fp32), and the weights are rounded to bf16 for the value product, as flash kernels do; the output is
-// fp32 divided by the sum, rounded to bf16. Reference: `prefill_attention_reference` (kernels/cpu_prefill_attention.py).
+// broadcasts of the weights against 16 dims a vector. Scores are fp32, the softmax runs in fp32 (online: running
+// max and sum; `fast_exp`), and the weights are rounded to bf16 for the value product, as flash kernels do; the
+// output is fp32 divided by the sum, rounded to bf16. Reference: `prefill_attention_reference`
+// (kernels/cpu_prefill_attention.py).
 #include <immintrin.h>
 
 #include <algorithm>
