@@ -5,8 +5,9 @@ through its block table, mask slots past its context length, attend in float32. 
 the batch's longest context copies (and attends over) mostly padding when lengths differ, and that copy is the
 bulk of a CPU decode step's attention, so sequences are grouped by context length first (`decode_length_groups`)
 and each group is padded only to its own longest. Sequences with several new tokens (prefill, chunked prefill on
-top of a cached prefix) go one at a time through `scaled_dot_product_attention` with a causal mask offset by the
-cached prefix length.
+top of a cached prefix) go one at a time through `scaled_dot_product_attention`: causal where the cached prefix is
+shorter than the new tokens (zero queries stand in for the cached positions), else with a causal mask offset by
+the cached prefix length.
 """
 
 from __future__ import annotations
@@ -116,16 +117,26 @@ def prefill_attention(
         rows = slice(start, start + query_len)
         start += query_len
         q = query[rows].transpose(0, 1)  # [heads, q, head_dim]
-        if context_len == query_len:  # nothing cached before: attend to the fresh keys directly
-            k, v, mask = key[rows], value[rows], None
+        cached = context_len - query_len
+        mask = None
+        if cached == 0:  # nothing cached before: attend to the fresh keys directly
+            k, v = key[rows], value[rows]
         else:
             num_blocks = -(-context_len // block_size)
             blocks = metadata.block_tables[i, :num_blocks].long()
             k = key_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
             v = value_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-            # New token j sits at position context_len - query_len + j and sees every position up to it.
-            query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
-            mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
+            if cached < query_len:
+                # A short cached prefix (a chat template's first block, a partly reused block): causal attention
+                # over the whole context, with zero queries standing in for the cached positions, is the same
+                # attention for the new rows and costs (cached + new)^2 / 2 scores, where the offset mask below
+                # costs new x (cached + new) and loses the kernel's causal skipping: bit-identical, and 1.4-1.6x
+                # faster for ~950 new tokens on 2-37 cached ones (2-core Zen 5, fp32 and bf16).
+                q = torch.cat([q.new_zeros(q.shape[0], cached, q.shape[2]), q], dim=1)
+            else:
+                # New token j sits at position cached + j and sees every position up to it.
+                query_pos = torch.arange(cached, context_len, device=query.device)
+                mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
         k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         if k.shape[0] != q.shape[0]:
             # GQA by repeating KV heads (HF's repeat_kv order), a small copy, so that the flash kernel below
@@ -137,7 +148,7 @@ def prefill_attention(
         o = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
         )[0]
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o[:, o.shape[1] - query_len :].transpose(0, 1)
 
 
 def write_kv_cache(

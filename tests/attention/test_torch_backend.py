@@ -124,6 +124,8 @@ CASES = {
     "decode-spread-lengths": ([0, 41, 300, 299, 720, 1203, 2000, 7], [1] * 8),
     "prefill": ([0, 0, 0], [1, 9, 17]),
     "prefill-on-cached-prefix": ([4, 5, 13], [4, 3, 8]),
+    # Cached prefixes shorter than the new tokens: causal over the whole context (zero queries in front).
+    "prefill-on-short-cached-prefix": ([2, 16, 1, 5], [30, 40, 9, 6]),
     "mixed": ([11, 0, 6, 30, 2], [1, 7, 1, 5, 1]),
     "mixed-spread-lengths": ([900, 0, 6, 1500, 2, 333], [1, 7, 1, 1, 5, 1]),
 }
@@ -177,6 +179,22 @@ def test_decode_never_takes_the_per_sequence_path(monkeypatch: pytest.MonkeyPatc
     for case in ("decode", "decode-spread-lengths"):
         scenario = Scenario(*CASES[case])
         torch.testing.assert_close(scenario.run().double(), scenario.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_short_cached_prefix_goes_causal_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, bool, bool]] = []  # (query rows, a mask given, is_causal)
+    original = torch_backend.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((q.shape[-2], attn_mask is not None, is_causal))
+        return original(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", spy)
+    scenario = Scenario([0, 2, 30, 7], [9, 30, 5, 7])
+    torch.testing.assert_close(scenario.run().double(), scenario.expected(), atol=1e-5, rtol=1e-5)
+    # fresh: causal on its own keys; 2 cached < 30 new: causal over 32 rows (2 of them zero queries); 30 cached
+    # >= 5 new and 7 >= 7: the offset mask
+    assert calls == [(9, False, True), (32, False, True), (5, True, False), (7, True, False)]
 
 
 def test_decode_is_one_pass_per_length_group(monkeypatch: pytest.MonkeyPatch) -> None:
