@@ -15,7 +15,7 @@ import functools
 import torch
 from structgen.kernels import cpu_build
 from structgen.kernels._launch import check_dtype, check_shape
-from structgen.kernels.cpu_ops import _kernel_message
+from structgen.kernels.cpu_ops import _check_cpu, _kernel_message
 
 HEAD_DIMS = (32, 64, 128)
 
@@ -70,9 +70,7 @@ def _check(
     out: torch.Tensor,
 ) -> None:
     name = "prefill_attention"
-    for t in (query, key_cache, value_cache, block_table, out):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: CPU tensors only, got {t.device}")
+    _check_cpu(name, query, key_cache, value_cache, block_table, out)
     for what, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
         check_dtype(name, what, t, (torch.bfloat16,))
     check_dtype(name, "block_table", block_table, (torch.int32,))
