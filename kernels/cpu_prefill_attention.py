@@ -1,11 +1,12 @@
-"""Launcher of the AVX512-BF16 prefill attention (`csrc/cpu_prefill_attention.cpp`) and its reference.
+"""Launcher of the AVX-512 prefill attention (`csrc/cpu_prefill_attention.cpp`) and its reference.
 
 `prefill_attention` attends one sequence's new tokens (a prompt, or a chunk of one on a cached prefix) causally
 over its whole context, reading keys and values from the paged cache, where the new tokens' are already written.
-It takes bf16 queries and caches with head sizes 32, 64 or 128, on CPUs with AVX512-BF16 (`available()`);
-elsewhere the attention backend keeps torch's SDPA. `prefill_attention_reference` is the same attention in
-float32 torch: the kernel rounds each softmax weight to bf16 before the value product (as flash kernels do), so
-the two agree to bf16's rounding.
+It takes queries and caches of one dtype with head sizes 32, 64 or 128: bf16 on CPUs with AVX512-BF16, fp32 on
+CPUs with AVX-512F (`available(dtype)`); elsewhere the attention backend keeps torch's SDPA.
+`prefill_attention_reference` is the same attention in float32 torch: in bf16 the kernel rounds each softmax
+weight to bf16 before the value product (as flash kernels do), so the two agree to bf16's rounding; in fp32 to
+fp32's, up to summation order.
 """
 
 from __future__ import annotations
@@ -18,22 +19,27 @@ from structgen.kernels._launch import check_dtype, check_shape
 from structgen.kernels.cpu_ops import _check_cpu, _kernel_message
 
 HEAD_DIMS = (32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernel runs here: the native library loaded and the CPU has AVX512-BF16."""
-    return cpu_build.load() and bool(torch.ops.structgen_cpu.prefill_attention_available())
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the kernel runs here for `dtype`: the native library loaded and the CPU has AVX512-BF16 (bf16) or
+    AVX-512F (fp32)."""
+    return (
+        dtype in DTYPES
+        and cpu_build.load()
+        and bool(torch.ops.structgen_cpu.prefill_attention_available(dtype == torch.bfloat16))
+    )
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether a call with these tensors takes the kernel (dtypes, head size, device, CPU)."""
     return (
-        query.dtype == torch.bfloat16
-        and key_cache.dtype == torch.bfloat16
+        query.dtype == key_cache.dtype
         and query.device.type == "cpu"
         and query.shape[-1] in HEAD_DIMS
-        and available()
+        and available(query.dtype)
     )
 
 
@@ -48,8 +54,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New token i (position context_len - len(query) + i) attended over the context up to itself."""
-    if not available():
-        raise ValueError("prefill_attention: needs the native CPU kernels and a CPU with AVX512-BF16")
+    if query.dtype in DTYPES and not available(query.dtype):
+        raise ValueError(
+            f"prefill_attention: needs the native CPU kernels and, for {query.dtype}, a CPU with "
+            + ("AVX512-BF16" if query.dtype == torch.bfloat16 else "AVX-512F")
+        )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     try:
@@ -71,8 +80,9 @@ def _check(
 ) -> None:
     name = "prefill_attention"
     _check_cpu(name, query, key_cache, value_cache, block_table, out)
-    for what, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
-        check_dtype(name, what, t, (torch.bfloat16,))
+    check_dtype(name, "query", query, DTYPES)
+    for what, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+        check_dtype(name, what, t, (query.dtype,))
     check_dtype(name, "block_table", block_table, (torch.int32,))
     check_shape(name, "block_table", block_table, (None,))
     check_shape(name, "query", query, (None, None, key_cache.shape[-1]))

@@ -1,20 +1,18 @@
-// Causal attention of one sequence's prompt chunk on AVX512-BF16: a flash-attention loop over tiles of 32 query
-// rows and 64 keys, reading the keys and values from the paged cache (so a chunk on top of a cached prefix needs
-// no gather and no mask tensor).
+// Causal attention of one sequence's prompt chunk on AVX-512: a flash-attention loop over tiles of 32 query rows
+// and 64 keys, reading the keys and values from the paged cache (so a chunk on top of a cached prefix needs no
+// gather and no mask tensor). bf16 on AVX512-BF16, fp32 on AVX-512F (`cpu_prefill_tiles.h`).
 //
 // Why: torch's CPU flash kernel (SDPA) ran a 960-token SmolLM2 prompt at ~13 ms a layer with the prefix cache's
 // offset mask and ~9 ms causal, 60% of the prompt's forward: ~115-175 GFLOP/s, where the dot products below run
 // at AVX512-BF16's pairwise rate (VDPBF16PS: 32 products an instruction, exact, summed in fp32). This kernel:
 // ~2.5 ms a layer on that prompt, either way (2-core Zen 5; BENCHMARKS.md, the peers' session 29).
 //
-// Per KV head, the context's keys and values are first repacked once for all the query heads of its group:
-//   keys   [key group of 16][dim pair p][key j]    (int32 = the bf16 pair k[2p], k[2p + 1] of key 16 g + j)
-//   values [key pair kp][dim d][2]                 (bf16 v[2 kp][d], v[2 kp + 1][d])
-// so a score tile is dim-pair broadcasts of the query against 16 keys a vector, and the value product is key-pair
-// broadcasts of the weights against 16 dims a vector. Scores are fp32, the softmax runs in fp32 (online: running
-// max and sum; `fast_exp`), and the weights are rounded to bf16 for the value product, as flash kernels do; the
-// output is fp32 divided by the sum, rounded to bf16. Reference: `prefill_attention_reference`
-// (kernels/cpu_prefill_attention.py).
+// Per KV head, the context's keys and values are first repacked once for all the query heads of its group
+// (layouts in `cpu_prefill_tiles.h`), so a score tile is broadcasts of the query against 16 keys a vector, and the
+// value product is broadcasts of the weights against 16 dims a vector. Scores are fp32, the softmax runs in fp32
+// (online: running max and sum; `fast_exp`); in bf16 the weights are rounded to bf16 for the value product, as
+// flash kernels do; the output is fp32 divided by the sum, stored in the query's dtype. Reference:
+// `prefill_attention_reference` (kernels/cpu_prefill_attention.py).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,56 +25,16 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define STRUCTGEN_PREFILL_BF16 1
-#else
-#define STRUCTGEN_PREFILL_BF16 0
-#endif
+#include "cpu_prefill_tiles.h"
 
 namespace structgen_cpu {
 namespace {
 
-#if STRUCTGEN_PREFILL_BF16
+#if defined(__AVX512F__)
 
-constexpr int kKeyTile = 64;  // keys a tile: 4 vectors of 16 scores a row
+using prefill::kKeyTile;
+using prefill::kScoreRows;
 constexpr int kQueryTile = 32;  // query rows a task (one head)
-constexpr int kScoreRows = 4;  // rows a score pass holds in registers: 4 rows x 4 key vectors = 16 accumulators
-typedef int32_t __attribute__((may_alias)) AliasedInt32;  // a bf16 pair read as one broadcast lane
-
-// The context's keys and values of every KV head in the layouts above, zero past the context.
-struct PackedKV {
-  const int32_t* keys;  // [kv_heads][key groups][D / 2][16]
-  const uint16_t* values;  // [kv_heads][key pairs][D][2]
-  int64_t key_groups;  // padded keys / 16
-};
-
-template <int D>
-void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int64_t context_len, int64_t block_size,
-             int64_t kv_heads, int32_t* keys, uint16_t* values, int64_t key_groups) {
-  constexpr int P = D / 2;
-  const int64_t slot_stride = kv_heads * D;
-  at::parallel_for(0, kv_heads * key_groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / key_groups, g = task % key_groups;
-      int32_t* kdst = keys + (h * key_groups + g) * P * 16;
-      uint16_t* vdst = values + (h * key_groups + g) * 8 * D * 2;  // the group's 8 key pairs
-      for (int j = 0; j < 16; ++j) {
-        const int64_t t = 16 * g + j;
-        if (t >= context_len) {
-          for (int p = 0; p < P; ++p) kdst[p * 16 + j] = 0;
-          for (int d = 0; d < D; ++d) vdst[((j / 2) * D + d) * 2 + j % 2] = 0;
-          continue;
-        }
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const auto* k = reinterpret_cast<const AliasedInt32*>(kc + slot * slot_stride + h * D);
-        const uint16_t* v = vc + slot * slot_stride + h * D;
-        for (int p = 0; p < P; ++p) kdst[p * 16 + j] = k[p];
-        for (int d = 0; d < D; ++d) vdst[((j / 2) * D + d) * 2 + j % 2] = v[d];
-      }
-    }
-  });
-}
 
 // fast_exp (cpu_common.h) on 16 lanes: the same clamp and polynomial, 2^n applied by VSCALEFPS; 0 below -87.3
 // (masked scores are -inf).
@@ -92,77 +50,44 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ), r);
 }
 
-// Scores of `rows` (<= kScoreRows) query rows against the 64 keys of tile `tile`, scaled, into s[row][64].
-template <int D>
-inline void score_rows(const uint16_t* const* q, int rows, const int32_t* keys, int64_t tile, float scale, float* s) {
-  constexpr int P = D / 2;
-  __m512 acc[kScoreRows][4];
-  for (int r = 0; r < kScoreRows; ++r)
-    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
-  const int32_t* k0 = keys + tile * 4 * P * 16;
-  for (int p = 0; p < P; ++p) {
-    __m512bh kv[4];
-    for (int g = 0; g < 4; ++g) kv[g] = (__m512bh)_mm512_loadu_si512(k0 + (g * P + p) * 16);
-    for (int r = 0; r < kScoreRows; ++r) {
-      if (r >= rows) break;
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const AliasedInt32*>(q[r])[p]);
-      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qb, kv[g]);
-    }
-  }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int r = 0; r < rows; ++r)
-    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kKeyTile + 16 * g, _mm512_mul_ps(acc[r][g], vs));
-}
+// The context's keys and values of every KV head, packed by the dtype's policy `T`.
+template <typename T>
+struct PackedKV {
+  const typename T::KeyWord* keys;  // [kv_heads][key groups][kKeyWords][16]
+  const typename T::ValueWord* values;  // [kv_heads][key groups x 16 keys' D words]
+  int64_t key_groups;  // padded keys / 16
+};
 
-// o[row][D] += weights (bf16 pairs, w[row][32]) x the tile's values, for `rows` rows (<= R).
-template <int D, int R>
-inline void add_values(const int32_t* w, int rows, const uint16_t* values, int64_t tile, float* o) {
-  constexpr int V = D / 16;
-  __m512 acc[R][V];
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
-  const uint16_t* v0 = values + tile * (kKeyTile / 2) * D * 2;
-  for (int kp = 0; kp < kKeyTile / 2; ++kp) {
-    __m512bh vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v0 + (kp * D + 16 * c) * 2);
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const __m512bh wb = (__m512bh)_mm512_set1_epi32(w[r * (kKeyTile / 2) + kp]);
-      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wb, vv[c]);
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
-}
+struct Strides {
+  int64_t q_row, q_head, o_row, o_head;
+};
 
 // One task: query rows [first, first + rows) of head `head` (positions offset + i), over the keys they see.
-template <int D>
-void attend_tile(const uint16_t* query, int64_t q_row_stride, int64_t q_head_stride, uint16_t* out,
-                 int64_t o_row_stride, int64_t o_head_stride, int64_t head, int64_t kv_head, int64_t first, int rows,
-                 int64_t offset, float scale, const PackedKV& kv) {
-  constexpr int P = D / 2;
-  constexpr int kValueRows = 16 / (D / 16) < 1 ? 1 : (16 / (D / 16) > 8 ? 8 : 16 / (D / 16));
+template <typename T, int D>
+void attend_tile(const typename T::Elem* query, typename T::Elem* out, const Strides& st, int64_t head,
+                 int64_t kv_head, int64_t first, int rows, int64_t offset, float scale, const PackedKV<T>& kv) {
+  constexpr int kValueRows = prefill::value_rows<D>();
   static_assert(kKeyTile == 64, "the softmax below holds a row's tile in 4 vectors");
   alignas(64) float s[kQueryTile * kKeyTile];
-  alignas(64) int32_t w[kQueryTile * kKeyTile / 2];
+  alignas(64) typename T::WeightWord w[kQueryTile * T::kWeightWords];
   alignas(64) float o[kQueryTile * D];
   float m[kQueryTile], l[kQueryTile];
-  const uint16_t* q[kQueryTile];
+  const typename T::Elem* q[kQueryTile];
   for (int r = 0; r < rows; ++r) {
-    q[r] = query + (first + r) * q_row_stride + head * q_head_stride;
+    q[r] = query + (first + r) * st.q_row + head * st.q_head;
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
   std::fill(o, o + rows * D, 0.0f);
-  const int32_t* keys = kv.keys + kv_head * kv.key_groups * P * 16;
-  const uint16_t* values = kv.values + kv_head * kv.key_groups * 8 * D * 2;
+  const typename T::KeyWord* keys = kv.keys + kv_head * kv.key_groups * 16 * T::kKeyWords;
+  const typename T::ValueWord* values = kv.values + kv_head * kv.key_groups * 16 * D;
   const int64_t last_pos = offset + first + rows - 1;
   const __m512 lane_index = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t tile = 0; tile * kKeyTile <= last_pos; ++tile) {
     const int64_t j0 = tile * kKeyTile;
     for (int r0 = 0; r0 < rows; r0 += kScoreRows)
-      score_rows<D>(q + r0, std::min(kScoreRows, rows - r0), keys, tile, scale, s + r0 * kKeyTile);
+      T::scores(q + r0, std::min(kScoreRows, rows - r0), keys, tile, scale, s + r0 * kKeyTile);
     const bool masked = j0 + kKeyTile - 1 > offset + first;
     for (int r = 0; r < rows; ++r) {
       float* sr = s + r * kKeyTile;
@@ -188,41 +113,34 @@ void attend_tile(const uint16_t* query, int64_t q_row_stride, int64_t q_head_str
         for (int c = 0; c < D / 16; ++c)
           _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(o + r * D + 16 * c)));
       }
-      // bf16 weights, keys in order: cvtne2ps puts its second operand in the low half
-      for (int g = 0; g < 2; ++g)
-        _mm512_storeu_si512(w + r * (kKeyTile / 2) + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(v[2 * g + 1], v[2 * g]));
+      T::weights(v, w + r * T::kWeightWords);
     }
-    for (int r0 = 0; r0 < rows; r0 += kValueRows)
-      add_values<D, kValueRows>(w + r0 * (kKeyTile / 2), std::min(kValueRows, rows - r0), values, tile, o + r0 * D);
-  }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    uint16_t* dst = out + (first + r) * o_row_stride + head * o_head_stride;
-    for (int c = 0; c < D / 16; ++c) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)y);
+    for (int r0 = 0; r0 < rows; r0 += kValueRows) {
+      T::template add_values<kValueRows>(w + r0 * T::kWeightWords, std::min(kValueRows, rows - r0), values, tile,
+                                         o + r0 * D);
     }
   }
+  for (int r = 0; r < rows; ++r) T::store(o + r * D, 1.0f / l[r], out + (first + r) * st.o_row + head * st.o_head);
 }
 
-template <int D>
-void prefill_bf16(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const int32_t* table, int64_t context_len, float scale, at::Tensor& out) {
+template <typename T, int D>
+void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+             const int32_t* table, int64_t context_len, float scale, at::Tensor& out) {
+  using Elem = typename T::Elem;
   const int64_t q_len = query.size(0), heads = query.size(1);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads, offset = context_len - q_len;
   const int64_t key_groups = (context_len + kKeyTile - 1) / kKeyTile * (kKeyTile / 16);
   // Reused across calls (one per layer): a fresh buffer each time cost page faults on every layer.
-  static thread_local std::vector<int32_t> keys_buffer;
-  static thread_local std::vector<uint16_t> values_buffer;
-  keys_buffer.resize(kv_heads * key_groups * 16 * D / 2);
+  static thread_local std::vector<typename T::KeyWord> keys_buffer;
+  static thread_local std::vector<typename T::ValueWord> values_buffer;
+  keys_buffer.resize(kv_heads * key_groups * 16 * T::kKeyWords);
   values_buffer.resize(kv_heads * key_groups * 16 * D);
-  int32_t* const keys = keys_buffer.data();
-  uint16_t* const values = values_buffer.data();
-  pack_kv<D>(reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-             reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), table, context_len, block_size, kv_heads,
-             keys, values, key_groups);
-  const PackedKV kv{keys, values, key_groups};
+  typename T::KeyWord* const keys = keys_buffer.data();
+  typename T::ValueWord* const values = values_buffer.data();
+  T::pack(reinterpret_cast<const Elem*>(key_cache.data_ptr()), reinterpret_cast<const Elem*>(value_cache.data_ptr()),
+          table, context_len, block_size, kv_heads, keys, values, key_groups);
+  const PackedKV<T> kv{keys, values, key_groups};
   const int64_t tiles = (q_len + kQueryTile - 1) / kQueryTile;
   // Tasks (KV head, query tile, head of the group), in that order so a thread's run reuses one KV head's packed
   // keys and values; a tile costs the key tiles it visits, which grow along the prompt: cut runs by cost.
@@ -232,49 +150,67 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& key_cache, const at
     cost[task] = (offset + std::min(q_len, (tile + 1) * kQueryTile)) / kKeyTile + 1;
   }
   const std::vector<int64_t> bounds = cost_balanced_bounds(cost, at::get_num_threads());
-  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* q = reinterpret_cast<const Elem*>(query.data_ptr());
+  auto* o = reinterpret_cast<Elem*>(out.data_ptr());
+  const Strides st{query.stride(0), query.stride(1), out.stride(0), out.stride(1)};
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
     for (int64_t task = bounds[part_begin]; task < bounds[part_end]; ++task) {
       const int64_t kv_head = task / (tiles * group), tile = task / group % tiles, g = task % group;
       const int64_t first = tile * kQueryTile;
       const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, q_len - first));
-      attend_tile<D>(q, query.stride(0), query.stride(1), o, out.stride(0), out.stride(1), kv_head * group + g,
-                     kv_head, first, rows, offset, scale, kv);
+      attend_tile<T, D>(q, o, st, kv_head * group + g, kv_head, first, rows, offset, scale, kv);
     }
   });
 }
 
-#endif  // STRUCTGEN_PREFILL_BF16
+template <template <int> class T>
+void by_head_dim(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const int32_t* table, int64_t context_len, float scale, at::Tensor& out) {
+  switch (query.size(2)) {
+    case 32: return prefill<T<32>, 32>(query, key_cache, value_cache, table, context_len, scale, out);
+    case 64: return prefill<T<64>, 64>(query, key_cache, value_cache, table, context_len, scale, out);
+    default: return prefill<T<128>, 128>(query, key_cache, value_cache, table, context_len, scale, out);
+  }
+}
+
+#endif  // __AVX512F__
 
 }  // namespace
 
-bool prefill_attention_available() {
-#if STRUCTGEN_PREFILL_BF16
-  static const bool usable = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-  }();
-  return usable;
+// Whether the kernel runs here for bf16 (AVX512-BF16) or fp32 (AVX-512F) tensors.
+bool prefill_attention_available(bool bf16) {
+  __builtin_cpu_init();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  static const bool with_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 #else
-  return false;
+  static const bool with_bf16 = false;
 #endif
+#if defined(__AVX512F__)
+  static const bool with_fp32 = __builtin_cpu_supports("avx512f");
+#else
+  static const bool with_fp32 = false;
+#endif
+  return bf16 ? with_bf16 : with_fp32;
 }
 
-// query / out [q_len, heads, D] bf16 (rows contiguous in D), the q_len newest tokens of a context of
-// `context_len` tokens whose keys and values (these tokens' included) are in the paged caches
-// [blocks, block_size, kv_heads, D] bf16 at `block_table` [>= blocks of the context] int32.
+// query / out [q_len, heads, D] (rows contiguous in D), the q_len newest tokens of a context of `context_len`
+// tokens whose keys and values (these tokens' included) are in the paged caches [blocks, block_size, kv_heads, D]
+// at `block_table` [>= blocks of the context] int32; all bf16 or all fp32.
 void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                        const at::Tensor& block_table, int64_t context_len, double scale, at::Tensor out) {
-  TORCH_CHECK(prefill_attention_available(), "prefill_attention: this CPU (or build) has no AVX512-BF16");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.scalar_type() == at::kBFloat16,
-              "prefill_attention: query must be bf16 [rows, heads, dim] with contiguous rows");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.scalar_type() == at::kBFloat16,
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "prefill_attention: query must be bf16 or fp32");
+  TORCH_CHECK(prefill_attention_available(dtype == at::kBFloat16),
+              "prefill_attention: this CPU (or build) cannot run it for ", dtype == at::kBFloat16 ? "bf16" : "fp32",
+              " (needs AVX512-BF16 / AVX-512F)");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
+              "prefill_attention: query must be [rows, heads, dim] with contiguous rows");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.scalar_type() == dtype,
               "prefill_attention: out must match query");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention: caches must be contiguous bf16 [blocks, block_size, kv_heads, dim]");
+                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == dtype &&
+                  value_cache.scalar_type() == dtype,
+              "prefill_attention: caches must be contiguous [blocks, block_size, kv_heads, dim] of the query's dtype");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % key_cache.size(2) == 0,
               "prefill_attention: cache shape does not fit the query");
@@ -290,18 +226,21 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
                 "prefill_attention: a block table entry within the context is out of range");
   }
   if (query.size(0) == 0) return;
-#if STRUCTGEN_PREFILL_BF16
   const float s = static_cast<float>(scale);
-  if (head_dim == 32) prefill_bf16<32>(query, key_cache, value_cache, table, context_len, s, out);
-  if (head_dim == 64) prefill_bf16<64>(query, key_cache, value_cache, table, context_len, s, out);
-  if (head_dim == 128) prefill_bf16<128>(query, key_cache, value_cache, table, context_len, s, out);
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) {
+    return by_head_dim<prefill::F32Tiles>(query, key_cache, value_cache, table, context_len, s, out);
+  }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  by_head_dim<prefill::Bf16Tiles>(query, key_cache, value_cache, table, context_len, s, out);
 #endif
 }
 
 }  // namespace structgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(structgen_cpu, m) {
-  m.def("prefill_attention_available() -> bool", &structgen_cpu::prefill_attention_available);
+  m.def("prefill_attention_available(bool bf16) -> bool", &structgen_cpu::prefill_attention_available);
   m.def(
       "prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, int context_len, "
       "float scale, Tensor(a!) out) -> ()");

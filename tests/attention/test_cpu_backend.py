@@ -44,7 +44,7 @@ def test_bf16_matches_the_torch_backend() -> None:
 PREFILLS = ([0, 130, 2, 40, 0], [150, 70, 90, 1, 3])
 
 
-@pytest.mark.skipif(not cpu_prefill_attention.available(), reason="needs a CPU with AVX512-BF16")
+@pytest.mark.skipif(not cpu_prefill_attention.available(torch.bfloat16), reason="needs AVX512-BF16")
 def test_bf16_prefills_take_the_kernel_and_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     original = cpu_prefill_attention.prefill_attention
@@ -60,7 +60,7 @@ def test_bf16_prefills_take_the_kernel_and_match_the_torch_backend(monkeypatch: 
 
 
 def test_bf16_prefills_fall_back_to_sdpa_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_prefill_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_prefill_attention, "available", lambda dtype=None: False)
     scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
 
@@ -75,6 +75,9 @@ def test_short_extensions_skip_the_per_sequence_path(monkeypatch: pytest.MonkeyP
         return original(*args, skip=skip, **kwargs)
 
     monkeypatch.setattr(cpu_backend, "prefill_attention", spy)
+    monkeypatch.setattr(
+        cpu_prefill_attention, "available", lambda dtype=None: False
+    )  # count on the SDPA path
     cached, new = CASES["extend"]
     run(Scenario(cached, new, head_dim=64, block_size=16))
     # Only the fresh prompt (no cache) and the extension past the limit take SDPA.

@@ -1,5 +1,5 @@
-"""The AVX512-BF16 prefill attention against its float32 reference: prompts and chunks on cached prefixes,
-over scattered cache blocks, every head size and grouping it takes, and the launcher's refusals."""
+"""The AVX-512 prefill attention (bf16 and fp32) against its float32 reference: prompts and chunks on cached
+prefixes, over scattered cache blocks, every head size and grouping it takes, and the launcher's refusals."""
 
 from __future__ import annotations
 
@@ -7,25 +7,39 @@ import pytest
 import torch
 from structgen.kernels import cpu_prefill_attention as prefill
 
-pytestmark = pytest.mark.skipif(
-    not prefill.available(), reason="needs the native CPU kernels and a CPU with AVX512-BF16"
+needs_bf16 = pytest.mark.skipif(
+    not prefill.available(torch.bfloat16), reason="needs the native CPU kernels and a CPU with AVX512-BF16"
 )
+needs_fp32 = pytest.mark.skipif(
+    not prefill.available(torch.float32), reason="needs the native CPU kernels and a CPU with AVX-512F"
+)
+pytestmark = pytest.mark.skipif(
+    not prefill.available(torch.float32), reason="needs the native CPU kernels and a CPU with AVX-512"
+)
+DTYPES = [pytest.param(torch.bfloat16, marks=needs_bf16), pytest.param(torch.float32, marks=needs_fp32)]
 
-# The kernel rounds each softmax weight to bf16 before the value product and its output to bf16: a few bf16
-# ulps of outputs of size ~1.
+# bf16: the kernel rounds each softmax weight to bf16 before the value product and its output to bf16, a few
+# bf16 ulps of outputs of size ~1; fp32: fp32 rounding in another summation order.
 TOLERANCE = 1.6e-2
+TOLERANCES = {torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
 
 def _context(
-    context_len: int, *, kv_heads: int, dim: int, block_size: int = 16, seed: int = 0
+    context_len: int,
+    *,
+    kv_heads: int,
+    dim: int,
+    block_size: int = 16,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches holding one context in scattered blocks (as after frees and preemptions), and its table, with
     unused entries past the context and spare blocks of other data."""
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-context_len // block_size)
     total = blocks + 4
-    key_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).bfloat16()
-    value_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).bfloat16()
+    key_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).to(dtype)
+    value_cache = torch.randn(total, block_size, kv_heads, dim, generator=gen).to(dtype)
     table = torch.full((blocks + 2,), -1, dtype=torch.int32)
     table[:blocks] = torch.randperm(total, generator=gen)[:blocks].int()
     return key_cache, value_cache, table
@@ -45,15 +59,22 @@ def _context(
     ],
 )
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 64)])
-def test_matches_the_reference(new: int, context_len: int, heads: int, kv_heads: int, dim: int) -> None:
-    key_cache, value_cache, table = _context(context_len, kv_heads=kv_heads, dim=dim, seed=new + context_len)
-    query = torch.randn(new, heads, dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_reference(
+    new: int, context_len: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    key_cache, value_cache, table = _context(
+        context_len, kv_heads=kv_heads, dim=dim, seed=new + context_len, dtype=dtype
+    )
+    query = torch.randn(new, heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     args = dict(block_table=table, context_len=context_len, scale=dim**-0.5)
     out = prefill.prefill_attention(query, key_cache, value_cache, **args)
     expected = prefill.prefill_attention_reference(query, key_cache, value_cache, **args)
-    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE, rtol=TOLERANCE)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@needs_bf16
 def test_sharp_scores_keep_the_softmax_exact() -> None:
     """Large scores (a peaked softmax, where a running max that lagged would overflow) and a later tile that
     raises the max: the result still matches."""
@@ -67,6 +88,7 @@ def test_sharp_scores_keep_the_softmax_exact() -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE, rtol=TOLERANCE)
 
 
+@needs_bf16
 def test_reads_and_writes_strided_rows_only() -> None:
     """q as a view of a fused qkv projection (rows wider than the heads), the output into rows of a larger
     tensor: only those rows change."""
@@ -81,17 +103,21 @@ def test_reads_and_writes_strided_rows_only() -> None:
     assert (out[:5] == 7).all() and (out[75:] == 7).all()
 
 
+@needs_bf16
 def test_supports_only_what_the_kernel_takes() -> None:
     key_cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
     assert prefill.supports(torch.zeros(3, 2, 64, dtype=torch.bfloat16), key_cache)
-    assert not prefill.supports(torch.zeros(3, 2, 64), key_cache.float())
+    assert prefill.supports(torch.zeros(3, 2, 64), key_cache.float())
+    assert not prefill.supports(torch.zeros(3, 2, 64), key_cache)  # mixed dtypes
+    assert not prefill.supports(torch.zeros(3, 2, 64, dtype=torch.float16), key_cache.half())
     assert not prefill.supports(torch.zeros(3, 2, 48, dtype=torch.bfloat16), key_cache[..., :48])
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"query": torch.zeros(4, 2, 64)}, "query must be bfloat16"),
+        ({"query": torch.zeros(4, 2, 64)}, "key_cache must be float32"),
+        ({"query": torch.zeros(4, 2, 64, dtype=torch.float16)}, "query must be bfloat16, float32"),
         ({"query": torch.zeros(4, 2, 48, dtype=torch.bfloat16)}, "query must have shape"),
         ({"context_len": 3}, "context_len"),
         ({"context_len": 100}, "context_len"),
@@ -99,6 +125,7 @@ def test_supports_only_what_the_kernel_takes() -> None:
         ({"block_table": torch.tensor([0, 1])}, "block_table must be int32"),
     ],
 )
+@needs_bf16
 def test_bad_calls_raise_a_clear_error(change: dict, message: str) -> None:
     args = {
         "query": torch.zeros(4, 2, 64, dtype=torch.bfloat16),
