@@ -55,6 +55,26 @@ void pack_groups(const Elem* kc, const Elem* vc, const int32_t* table, int64_t c
   });
 }
 
+// A score pass's sums, scaled, into s[row][64].
+inline void store_scores(const __m512 (&acc)[kScoreRows][4], int rows, float scale, float* s) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kKeyTile + 16 * g, _mm512_mul_ps(acc[r][g], vs));
+}
+
+// A value pass's running sums o[row][D], in and out of registers.
+template <int D, int R>
+inline void load_sums(__m512 (&acc)[R][D / 16], int rows, const float* o) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < D / 16; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+}
+
+template <int D, int R>
+inline void store_sums(const __m512 (&acc)[R][D / 16], int rows, float* o) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
 template <int D>
 struct F32Tiles {
   using Elem = float;
@@ -92,17 +112,14 @@ struct F32Tiles {
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_fmadd_ps(qb, kv[g], acc[r][g]);
       }
     }
-    const __m512 vs = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r)
-      for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kKeyTile + 16 * g, _mm512_mul_ps(acc[r][g], vs));
+    store_scores(acc, rows, scale, s);
   }
 
   template <int R>
   static inline void add_values(const WeightWord* w, int rows, const ValueWord* values, int64_t tile, float* o) {
     constexpr int V = D / 16;
     __m512 acc[R][V];
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+    load_sums<D>(acc, rows, o);
     const float* v0 = values + tile * kKeyTile * D;
     for (int key = 0; key < kKeyTile; ++key) {
       __m512 vv[V];
@@ -113,8 +130,7 @@ struct F32Tiles {
         for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(wb, vv[c], acc[r][c]);
       }
     }
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+    store_sums<D>(acc, rows, o);
   }
 
   static inline void weights(const __m512 (&p)[4], WeightWord* w) {
@@ -165,17 +181,14 @@ struct Bf16Tiles {
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qb, kv[g]);
       }
     }
-    const __m512 vs = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r)
-      for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kKeyTile + 16 * g, _mm512_mul_ps(acc[r][g], vs));
+    store_scores(acc, rows, scale, s);
   }
 
   template <int R>
   static inline void add_values(const WeightWord* w, int rows, const ValueWord* values, int64_t tile, float* o) {
     constexpr int V = D / 16;
     __m512 acc[R][V];
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+    load_sums<D>(acc, rows, o);
     const uint16_t* v0 = values + tile * kKeyTile * D;
     for (int kp = 0; kp < kKeyTile / 2; ++kp) {
       __m512bh vv[V];
@@ -186,8 +199,7 @@ struct Bf16Tiles {
         for (int c = 0; c < V; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wb, vv[c]);
       }
     }
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+    store_sums<D>(acc, rows, o);
   }
 
   // bf16 weights, keys in order: cvtne2ps puts its second operand in the low half
