@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from structgen.attention.backend import AttentionMetadata, KVCache
-from structgen.attention.torch_backend import TorchAttentionBackend, prefill_attention
+from structgen.attention.torch_backend import TorchAttentionBackend, prefill_attention, prefill_sequences
 
 # New tokens of one sequence on top of a cached context that still go through the decode kernel, one row each.
 # Each row reads the whole context again, so this holds for a few tokens only; a prompt's chunk goes to SDPA.
@@ -98,14 +98,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         """The sequences with several new tokens (but those in `skip`), one kernel call each, reading the whole
         context (its new keys were just written) from the paged cache."""
-        start = 0
-        for i, (query_len, context_len) in enumerate(
-            zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
-        ):
-            rows = slice(start, start + query_len)
-            start += query_len
-            if query_len <= 1 or i in skip:
-                continue
+        for i, rows, context_len in prefill_sequences(metadata, skip):
             self._prefill.prefill_attention(
                 query[rows],
                 key_cache,

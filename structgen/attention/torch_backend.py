@@ -12,6 +12,7 @@ the cached prefix length.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,20 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def prefill_sequences(
+    metadata: AttentionMetadata, skip: frozenset[int] = frozenset()
+) -> Iterator[tuple[int, slice, int]]:
+    """(sequence, its query rows, its context length) for each sequence with several new tokens, but those in
+    `skip`: the ones a prefill path attends."""
+    start = 0
+    for i, (query_len, context_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
+    ):
+        if query_len > 1 and i not in skip:
+            yield i, slice(start, start + query_len), context_len
+        start += query_len
+
+
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -107,15 +122,8 @@ def prefill_attention(
     """Attention of the sequences with several new tokens (but those in `skip`, attended elsewhere), one at a
     time, written into their rows of `out`."""
     block_size = key_cache.shape[1]
-    start = 0
-    for i, (query_len, context_len) in enumerate(
-        zip(metadata.query_lens_cpu, metadata.context_lens_cpu, strict=True)
-    ):
-        if query_len <= 1 or i in skip:
-            start += query_len
-            continue
-        rows = slice(start, start + query_len)
-        start += query_len
+    for i, rows, context_len in prefill_sequences(metadata, skip):
+        query_len = rows.stop - rows.start
         q = query[rows].transpose(0, 1)  # [heads, q, head_dim]
         cached = context_len - query_len
         mask = None
