@@ -40,7 +40,7 @@ SOURCES = (
     "cpu_inverse_cdf.cpp",
     "cpu_narrow_logits.cpp",
 )
-HEADERS = ("cpu_common.h", "cpu_kernels.h", "cpu_prefill_tiles.h", "cpu_woq_checks.h")
+HEADERS = ("cpu_common.h", "cpu_context_stager.h", "cpu_kernels.h", "cpu_prefill_tiles.h", "cpu_woq_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 
 _lock = threading.Lock()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from structgen.attention.huge_pages import zeros_on_huge_pages
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -87,8 +89,13 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[KVCache]:
-    """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs."""
+    """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs; on the CPU on 2 MB
+    pages where the OS gives them (see `huge_pages`)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return [
+            (zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)) for _ in range(num_layers)
+        ]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)

@@ -21,6 +21,10 @@ BENCHMARKS = {
     "server": ("server", "the HTTP server under concurrent load"),
     "run-batch": ("run_batch", "structgen run-batch vs the HTTP server on the same structured requests"),
     "kernels": ("kernels", "Triton kernels vs their torch references"),
+    "decode-attention": (
+        "decode_attention",
+        "the CPU decode-attention kernel a layer: scattered blocks vs sequential vs cache-resident",
+    ),
     "gpu-engine": ("gpu_engine", "the whole engine on a GPU: backends agree, structured vs free tokens/s"),
     "tools": ("tools", "tool calling"),
     "completion": (

@@ -174,6 +174,33 @@ def test_unequal_contexts_split_by_cost_cover_every_row_once(threads: int, lens:
     torch.testing.assert_close(out[live], expected[live], atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_contexts_staged_ahead_give_the_same_rows_on_any_thread_count(dtype: torch.dtype) -> None:
+    # Each thread requests the blocks of the context it takes next while computing the current one, and the
+    # first a few blocks ahead of itself (cpu_context_stager.h): prefetches only, so every thread count (runs
+    # cut at different places, first runs and staged ones) must give bit-equal rows, and the reference's values.
+    rng = random.Random(7)
+    lens = [rng.randint(1, 600) for _ in range(40)] + [0, 1500, 16, 17]
+    query, key_cache, value_cache, tables, context_lens = _paged_cache(
+        lens, heads=9, kv_heads=3, dim=64, dtype=dtype, seed=11
+    )
+    args = dict(block_tables=tables, context_lens=context_lens, scale=0.125)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            outs.append(cpu_ops.paged_decode_attention(query, key_cache, value_cache, **args))
+    finally:
+        torch.set_num_threads(before)
+    live = [i for i, n in enumerate(lens) if n > 0]
+    for out in outs[1:]:
+        assert torch.equal(out[live], outs[0][live])
+    reference = cpu_ops.paged_decode_attention_reference(query, key_cache, value_cache, **args)
+    tolerance = ATTENTION_TOLERANCE[dtype]
+    torch.testing.assert_close(outs[0][live].float(), reference[live].float(), atol=tolerance, rtol=tolerance)
+
+
 def test_paged_decode_attention_rejects_bad_calls() -> None:
     query, key_cache, value_cache, tables, context_lens = _paged_cache(
         [20], heads=4, kv_heads=2, dim=64, dtype=torch.float32
