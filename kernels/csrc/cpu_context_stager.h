@@ -42,17 +42,16 @@ inline int64_t stage_budget_bytes(int64_t threads) {
 // into L2 over a number of steps.
 class BlockStream {
  public:
-  void start(const char* keys, const char* values, const int32_t* table, int64_t blocks, int64_t block_bytes,
-             int64_t steps) {
-    keys_ = keys;
-    values_ = values;
+  // The context's first `blocks` blocks, as many as `budget` bytes hold (at least one), over `steps` steps.
+  void start(const void* keys, const void* values, const int32_t* table, int64_t blocks, int64_t block_bytes,
+             int64_t steps, int64_t budget) {
+    keys_ = static_cast<const char*>(keys);
+    values_ = static_cast<const char*>(values);
     table_ = table;
     block_bytes_ = block_bytes;
-    blocks_ = blocks;
+    blocks_ = std::min<int64_t>(blocks, std::max<int64_t>(1, budget / (2 * block_bytes)));
     block_ = offset_ = 0;
-    const int64_t lines = blocks * ((block_bytes + kLine - 1) / kLine);
-    steps = std::max<int64_t>(steps, 1);
-    per_step_ = (lines + steps - 1) / steps;
+    respread(steps);
   }
 
   void clear() { block_ = blocks_ = 0; }
@@ -99,13 +98,11 @@ class ContextStager {
   // are requested now and the rest one block a step of its first pass (`first_pass_steps`), staying ahead.
   void begin(const void* keys, const void* values, const int32_t* table, int64_t blocks, int64_t block_bytes,
              bool staged, int64_t first_pass_steps, int64_t budget) {
-    blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, budget / (2 * block_bytes)));
     if (staged) {
       current_ = next_;  // what is left of it, if anything, goes out as it would have
       current_.respread(first_pass_steps);
     } else {
-      current_.start(static_cast<const char*>(keys), static_cast<const char*>(values), table, blocks, block_bytes,
-                     first_pass_steps);
+      current_.start(keys, values, table, blocks, block_bytes, first_pass_steps, budget);
     }
     next_.clear();
     current_.issue(kLeadBlocks * current_.lines_per_block());
@@ -114,8 +111,7 @@ class ContextStager {
   // The run this thread takes next, spread over `steps` steps of the current one.
   void stage_next(const void* keys, const void* values, const int32_t* table, int64_t blocks, int64_t block_bytes,
                   int64_t steps, int64_t budget) {
-    blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, budget / (2 * block_bytes)));
-    next_.start(static_cast<const char*>(keys), static_cast<const char*>(values), table, blocks, block_bytes, steps);
+    next_.start(keys, values, table, blocks, block_bytes, steps, budget);
   }
 
   // Called once a block of each pass of the kernel.

@@ -88,11 +88,12 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    huge_pages: bool = True,
 ) -> list[KVCache]:
     """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs; on the CPU on 2 MB
-    pages where the OS gives them (see `huge_pages`)."""
+    pages where the OS gives them (see `huge_pages`; `huge_pages=False`: `torch.zeros`' pages, for comparison)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if torch.device(device).type == "cpu":
+    if huge_pages and torch.device(device).type == "cpu":
         return [
             (zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)) for _ in range(num_layers)
         ]

@@ -91,15 +91,16 @@ def measure(
     rng = random.Random(seed)
     lens = [rng.randint(*context) for _ in range(seqs)]
     num_blocks = max(pool_blocks, sum(-(-n // BLOCK_SIZE) for n in lens))
-    shape = dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if plain_pages:
-        size = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-        caches = [
-            (torch.zeros(size, dtype=torch.bfloat16), torch.zeros(size, dtype=torch.bfloat16))
-            for _ in range(layers)
-        ]
-    else:
-        caches = allocate_kv_cache(num_layers=layers, dtype=torch.bfloat16, device="cpu", **shape)
+    caches = allocate_kv_cache(
+        num_layers=layers,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cpu",
+        huge_pages=not plain_pages,
+    )
     gen = torch.Generator().manual_seed(seed)
     for key, value in caches:
         key.copy_(torch.randn(key.shape, generator=gen))

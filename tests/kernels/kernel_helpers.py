@@ -5,6 +5,8 @@ model produces them)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -13,6 +15,17 @@ from structgen.kernels.store_kv import store_kv_reference
 
 # Relative error ‖out − ref‖ / ‖ref‖ each dtype must reach against the float64 references.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set for the block, and put back after it (the kernels split work by it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import torch_threads
 from structgen.kernels import cpu_build, cpu_narrow_logits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -40,12 +41,8 @@ def test_matches_the_reference(weight_dtype: torch.dtype, hidden_dtype: torch.dt
     weight, hidden, rows, ids = _case(weight_dtype, hidden_dtype)
     out = torch.full((7, weight.shape[0]), 5.0)
     expected = out.clone()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cpu_narrow_logits.narrow_logits_rows(weight, hidden, rows, ids, out)
-    finally:
-        torch.set_num_threads(before)
     cpu_narrow_logits.narrow_logits_reference(weight, hidden, rows, ids, expected)
     # float32 sums in another order; a bf16 weight rounds them to bf16 after, where they may land one ulp apart.
     tolerance = (

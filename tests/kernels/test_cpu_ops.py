@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from kernel_helpers import torch_threads
 from structgen.kernels import cpu_build, cpu_ops
 
 from structgen.attention.torch_backend import paged_decode_attention as torch_paged_decode_attention
@@ -163,12 +164,8 @@ def test_unequal_contexts_split_by_cost_cover_every_row_once(threads: int, lens:
     )
     args = dict(block_tables=tables, context_lens=context_lens, scale=0.125)
     out = torch.full_like(query, float("nan"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cpu_ops.paged_decode_attention(query, key_cache, value_cache, out=out, **args)
-    finally:
-        torch.set_num_threads(before)
     expected = cpu_ops.paged_decode_attention_reference(query, key_cache, value_cache, **args)
     live = [i for i, n in enumerate(lens) if n > 0]  # (an empty context's row is left to the caller)
     torch.testing.assert_close(out[live], expected[live], atol=2e-6, rtol=2e-6)
@@ -185,14 +182,10 @@ def test_many_contexts_staged_ahead_give_the_same_rows_on_any_thread_count(dtype
         lens, heads=9, kv_heads=3, dim=64, dtype=dtype, seed=11
     )
     args = dict(block_tables=tables, context_lens=context_lens, scale=0.125)
-    before = torch.get_num_threads()
     outs = []
-    try:
-        for threads in (1, 2, 3, 7):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3, 7):
+        with torch_threads(threads):
             outs.append(cpu_ops.paged_decode_attention(query, key_cache, value_cache, **args))
-    finally:
-        torch.set_num_threads(before)
     live = [i for i, n in enumerate(lens) if n > 0]
     for out in outs[1:]:
         assert torch.equal(out[live], outs[0][live])
