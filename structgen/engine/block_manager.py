@@ -64,6 +64,10 @@ class CachedPrefix:
             return len(self.blocks) * block_size
         return (len(self.blocks) - 1) * block_size + self.partial_tokens
 
+    def whole_blocks(self) -> CachedPrefix:
+        """The same prefix without a partly reused last block (whose copy costs one more block)."""
+        return CachedPrefix(self.blocks[:-1]) if self.partial_tokens else self
+
 
 class BlockManager:
     def __init__(

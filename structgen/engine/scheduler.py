@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from structgen.config import SchedulerConfig
-from structgen.engine.block_manager import BlockManager
+from structgen.engine.block_manager import BlockManager, CachedPrefix
 from structgen.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -165,15 +165,15 @@ class Scheduler:
                 continue
             if len(self.running) + len(forked) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
-            cached = bm.find_cached_prefix(seq)
-            num_cached = cached.num_tokens(bm.block_size)
-            num_new = len(seq.token_ids) - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
             watermark = self._watermark_blocks if self.running else 0
-            if not bm.can_allocate(cached, num_cached + num_new, watermark=watermark):
+            cached = bm.find_cached_prefix(seq)
+            num_new = self._prefill_fits(cached, seq, budget, watermark)
+            if num_new is None and cached.partial_tokens:
+                # Reusing a block in part costs its copy: where the pool is too small for that (a prompt that
+                # needs every block), recompute those tokens instead of waiting for room that never comes.
+                cached = cached.whole_blocks()
+                num_new = self._prefill_fits(cached, seq, budget, watermark)
+            if num_new is None:
                 break
             self.waiting.popleft()
             bm.allocate_cached(seq, cached)
@@ -187,6 +187,20 @@ class Scheduler:
             budget -= self._schedule(out, seq, num_new, copies, forked)
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _prefill_fits(self, cached: CachedPrefix, seq: Sequence, budget: int, watermark: int) -> int | None:
+        """The new tokens a waiting sequence computes this step on top of `cached`, or None where it cannot
+        start now: a prompt over the budget without chunked prefill, or too few free blocks."""
+        bm = self.block_manager
+        num_cached = cached.num_tokens(bm.block_size)
+        num_new = len(seq.token_ids) - num_cached
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        if not bm.can_allocate(cached, num_cached + num_new, watermark=watermark):
+            return None
+        return num_new
 
     def _schedule(
         self,

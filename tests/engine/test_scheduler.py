@@ -207,6 +207,21 @@ def test_abort_while_waiting_and_running() -> None:
     assert out.is_empty and not sched.has_unfinished()
 
 
+def test_a_prompt_needing_every_block_skips_a_partial_reuse_it_has_no_room_to_copy() -> None:
+    # Found by the random workloads below: a cached block [7, 1000] (a prompt and its first output); an
+    # 11-token prompt starting with 7 needs all 6 blocks (2 tokens each), and reusing that block in part would
+    # need a 7th for its copy. It used to wait forever; it recomputes the token instead.
+    sched = make(6, 2, max_num_seqs=1, budget=10)
+    first = Sequence(next(ids), [7], max_tokens=2)
+    sched.add(first)
+    run(sched)
+    long = Sequence(next(ids), [7, *range(300, 310)], max_tokens=1)
+    assert sched.block_manager.find_cached_prefix(long).partial_tokens == 1
+    sched.add(long)
+    run(sched, max_steps=10)
+    assert long.status is SequenceStatus.FINISHED_LENGTH and long.num_computed_tokens == 11
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_blocks=st.integers(4, 24),
