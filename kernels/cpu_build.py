@@ -34,13 +34,20 @@ SOURCES = (
     "cpu_cache_write.cpp",
     "cpu_woq_linear.cpp",
     "cpu_woq_gemv.cpp",
+    "cpu_woq_gemv_avx2.cpp",
     "cpu_decode_step.cpp",
     "cpu_lora.cpp",
     "cpu_sparse_picks.cpp",
     "cpu_inverse_cdf.cpp",
     "cpu_narrow_logits.cpp",
 )
-HEADERS = ("cpu_common.h", "cpu_context_stager.h", "cpu_kernels.h", "cpu_prefill_tiles.h", "cpu_woq_checks.h")
+HEADERS = (
+    "cpu_common.h",
+    "cpu_context_stager.h",
+    "cpu_kernels.h",
+    "cpu_prefill_tiles.h",
+    "cpu_woq_checks.h",
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 
 _lock = threading.Lock()

@@ -11,6 +11,9 @@ It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
 same packed weights with AVX512-VNNI integer dot products: x quantized to int16 per block of 32, the weights
 exact (d q + m in fp32, not rounded to bf16), fp32 sums, a bf16 result. `woq_gemv_reference` is that arithmetic
 in torch. It needs AVX512-VNNI (`gemv_available()`), not AMX: Ice Lake, Sapphire Rapids and Zen 4 have it.
+Elsewhere, on AVX2 (`avx2_gemv_available()`: Zen 1-3, Intel client cores), `woq_gemv` runs the same arithmetic
+with VPMADDWD (`csrc/cpu_woq_gemv_avx2.cpp`), and also takes fp32 x (the model's dtype on such CPUs), returning
+fp32.
 """
 
 from __future__ import annotations
@@ -32,8 +35,21 @@ def amx_available() -> bool:
 
 
 def gemv_available() -> bool:
-    """Whether `woq_gemv` can run here: the native library loaded and the CPU has AVX512-VNNI."""
+    """Whether the VNNI GEMV can run here: the native library loaded and the CPU has AVX512-VNNI."""
     return cpu_build.load() and bool(torch.ops.structgen_cpu.gemv_available())
+
+
+def avx2_gemv_available() -> bool:
+    """Whether the AVX2 GEMV can run here (AVX2, FMA and F16C): `woq_gemv`'s path for fp32 x, and for bf16 x
+    where there is no VNNI."""
+    return cpu_build.load() and bool(torch.ops.structgen_cpu.gemv_avx2_available())
+
+
+def gemv_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes of x that `woq_gemv` computes in natively here (others are cast)."""
+    if avx2_gemv_available():
+        return (torch.bfloat16, torch.float32)
+    return (torch.bfloat16,) if gemv_available() else ()
 
 
 @dataclass(slots=True)
@@ -118,19 +134,38 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
 
 
 def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W^T` for a few rows of a contiguous bf16 x [M, K] through the VNNI kernel (other shapes and dtypes
-    are reshaped and cast). Any M works; the kernel is the fast one up to a handful of rows."""
-    return _launch("woq_gemv", x, weight, out)
+    """`x @ W^T` for a few rows of a contiguous x [M, K] through the VNNI kernel (bf16), or the AVX2 one (fp32
+    x, or bf16 without VNNI); other shapes and dtypes are reshaped and cast. Any M works; the kernels are the
+    fast ones up to a handful of rows."""
+    if x.dtype != torch.float32 and gemv_available():
+        return _launch("woq_gemv", x, weight, out)
+    return woq_gemv_avx2(x, weight, out=out)
 
 
-def _launch(name: str, x: torch.Tensor, weight: WoqWeight, out: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+def woq_gemv_avx2(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`woq_gemv` through the AVX2 kernel whatever the CPU's other kernels: fp32 x in fp32, other dtypes as
+    bf16."""
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    return _launch("woq_gemv_avx2", x, weight, out, dtype=dtype)
+
+
+def _launch(
+    name: str,
+    x: torch.Tensor,
+    weight: WoqWeight,
+    out: torch.Tensor | None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Calls the op on x as `dtype` (default bf16), out of the same dtype."""
+    dtype = dtype or torch.bfloat16
+    if x.dtype != dtype or x.dim() != 2 or not x.is_contiguous():
         if x.shape[-1:] != (weight.in_features,):
             raise ValueError(f"int linear [{weight.out_features}, {weight.in_features}] got {list(x.shape)}")
-        y = _launch(name, x.reshape(-1, weight.in_features).to(torch.bfloat16).contiguous(), weight, None)
+        y = _launch(name, x.reshape(-1, weight.in_features).to(dtype).contiguous(), weight, None, dtype=dtype)
         return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
     if out is None:
-        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+        out = torch.empty((x.shape[0], weight.out_features), dtype=dtype)
     try:
         getattr(torch.ops.structgen_cpu, name)(
             x, weight.qweight, weight.scales, weight.mins, weight.bits, out
@@ -170,13 +205,14 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def woq_gemv_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
-    """What the GEMV computes: int16-quantized x (the Q4_1 minimum times the exact sum of x), fp32 weights and
-    sums, bf16 result."""
+    """What the GEMVs compute: int16-quantized x (the Q4_1 minimum times the exact sum of x), fp32 weights and
+    sums, the result in x's dtype for fp32 x, else bf16."""
+    result = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     w = dequantize(weight, dtype=torch.float32)
     codes_part = w
     if weight.bits == 4:  # d q times the quantized x; m times the exact x
         nb, kb = weight.qweight.shape[:2]
         mins = weight.mins.float().permute(0, 2, 1).reshape(nb * 16, kb).repeat_interleave(GROUP, dim=1)
         codes_part = w - mins
-        return (quantize_activations(x) @ codes_part.t() + x.float() @ mins.t()).to(torch.bfloat16)
-    return (quantize_activations(x) @ codes_part.t()).to(torch.bfloat16)
+        return (quantize_activations(x) @ codes_part.t() + x.float() @ mins.t()).to(result)
+    return (quantize_activations(x) @ codes_part.t()).to(result)

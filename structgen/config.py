@@ -179,8 +179,9 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    # Weight-only int4 for small batches on the CPU (bf16): "auto" reads a GGUF's own 4-bit blocks (the default
-    # model's), "int4" also quantizes HF checkpoints, "none" turns it off. See structgen.models.cpu_linear.
+    # Weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): "auto" reads a GGUF's own 4-bit
+    # blocks (the default model's), "int4" also quantizes HF checkpoints, "none" turns it off. See
+    # structgen.models.cpu_linear.
     quantization: str = "auto"
     device: str | None = None
     seed: int = 0

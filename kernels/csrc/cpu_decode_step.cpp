@@ -6,11 +6,12 @@
 // called directly (`cpu_kernels.h`), so the outputs are the flat forward's bit for bit
 // (tests/models/test_llama_flat.py).
 //
-// Arguments: `embedded` [rows, hidden] bf16 (the embedding rows, also the first residual, updated in place), cos
-// and sin as the rotary kernel takes them, the attention metadata of a pure decode step, each layer's key and
-// value cache, and per layer `kWeightsPerLayer` tensors: the input and post-attention norm weights, then
-// (qweight, scales, mins) of the fused qkv, o, fused gate_up and down projections packed for `woq_gemv`, with
-// their bit widths in `bits` (4 a layer); the final norm's weight last. `eps`: the two norms' epsilon of each
+// Arguments: `embedded` [rows, hidden] bf16 or fp32 (the model's dtype: the embedding rows, also the first
+// residual, updated in place), cos and sin as the rotary kernel takes them, the attention metadata of a pure
+// decode step, each layer's key and value cache, and per layer `kWeightsPerLayer` tensors: the input and
+// post-attention norm weights, then (qweight, scales, mins) of the fused qkv, o, fused gate_up and down
+// projections packed for `woq_gemv` (bf16; `woq_gemv_avx2` for fp32), with their bit widths in `bits` (4 a
+// layer); the final norm's weight last. `eps`: the two norms' epsilon of each
 // layer, then the final norm's. Returns the final norm's output [rows, hidden].
 //
 // With LoRA adapters (`structgen/lora/layers.py`) in the step: `lora` holds, for each layer and linear in the
@@ -59,7 +60,9 @@ struct Step {
     const int64_t first = layer * kWeightsPerLayer + 2 + 3 * which;
     const at::Tensor& qweight = weights[first];
     at::Tensor out = at::empty({rows, qweight.size(0) * 16}, x.options());
-    woq_gemv(x, qweight, weights[first + 1], weights[first + 2], bits[layer * kLinearsPerLayer + which], out);
+    // bf16 rows: the VNNI GEMV (what `attach_int4` gives bf16 layers); fp32 rows: the AVX2 one (fp32 layers').
+    const auto gemv = x.scalar_type() == at::kFloat ? &woq_gemv_avx2 : &woq_gemv;
+    gemv(x, qweight, weights[first + 1], weights[first + 2], bits[layer * kLinearsPerLayer + which], out);
     if (!lora_at.empty()) {
       const int64_t at = lora_at[layer * kLinearsPerLayer + which];
       const at::Tensor& a = lora[at];
@@ -89,8 +92,9 @@ at::Tensor decode_layers(const at::Tensor& embedded, const at::Tensor& cos, cons
   TORCH_CHECK(static_cast<int64_t>(bits.size()) == layers * kLinearsPerLayer &&
                   static_cast<int64_t>(eps.size()) == 2 * layers + 1,
               "decode_layers: bits must hold 4 widths a layer and eps 2 values a layer plus the final norm's");
-  TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous() && embedded.scalar_type() == at::kBFloat16,
-              "decode_layers: the embedded rows must be a contiguous bf16 [rows, hidden]");
+  TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous() &&
+                  (embedded.scalar_type() == at::kBFloat16 || embedded.scalar_type() == at::kFloat),
+              "decode_layers: the embedded rows must be a contiguous bf16 or fp32 [rows, hidden]");
   const int64_t rows = embedded.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(lora.empty() || lora_slots.has_value(), "decode_layers: lora weights need lora_slots");
   const Step step{weights, bits, rows, lora, lora_starts(lora, layers * kLinearsPerLayer), lora_slots,

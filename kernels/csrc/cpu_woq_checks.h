@@ -6,13 +6,14 @@
 
 namespace structgen_cpu {
 
-// Checks x [M, K] bf16, qweight [N/16, K/32, 16, 16 | 32], scales (and mins at 4 bits) fp16 [N/16, K/32, 16] and
-// out [M, N] bf16; every message starts with `op`.
+// Checks x [M, K] bf16 (or fp32 with `allow_fp32`), qweight [N/16, K/32, 16, 16 | 32], scales (and mins at 4
+// bits) fp16 [N/16, K/32, 16] and out [M, N] of x's dtype; every message starts with `op`.
 inline void check_woq_args(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const at::Tensor& mins, int64_t bits, const at::Tensor& out) {
+                           const at::Tensor& mins, int64_t bits, const at::Tensor& out, bool allow_fp32 = false) {
   TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              op, ": x must be a contiguous bf16 [M, K]");
+  const bool x_dtype_ok = x.scalar_type() == at::kBFloat16 || (allow_fp32 && x.scalar_type() == at::kFloat);
+  TORCH_CHECK(x.dim() == 2 && x_dtype_ok && x.is_contiguous(), op, ": x must be a contiguous ",
+              allow_fp32 ? "bf16 or fp32" : "bf16", " [M, K]");
   TORCH_CHECK(qweight.dim() == 4 && qweight.is_contiguous() && qweight.size(2) == 16 &&
                   qweight.size(3) == (bits == 4 ? 16 : 32) &&
                   qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
@@ -27,8 +28,8 @@ inline void check_woq_args(const char* op, const at::Tensor& x, const at::Tensor
   check_scales(scales, "scales");
   if (bits == 4) check_scales(mins, "mins");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == nb * 16 && out.is_contiguous() &&
-                  out.scalar_type() == at::kBFloat16,
-              op, ": out must be a contiguous bf16 [M, N]");
+                  out.scalar_type() == x.scalar_type(),
+              op, ": out must be a contiguous [M, N] of x's dtype");
 }
 
 }  // namespace structgen_cpu

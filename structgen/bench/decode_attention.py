@@ -2,6 +2,7 @@
 
     structgen bench decode-attention [--seqs 32] [--context 250-500] [--heads 9,3,64] [--layers 30]
                                      [--pool-blocks 4096] [--threads N] [--repeats 15] [--plain-pages]
+                                     [--dtype auto|bfloat16|float32]
                                      [--json OUT]
 
 - `scattered`: each context's blocks at random places in the pool, as a serving engine's cache is once requests
@@ -11,7 +12,8 @@
 
 Each layer has its own key and value caches of `--pool-blocks` blocks (`--layers` of them, allocated as the engine does: on 2 MB pages where
 the OS gives them, or `--plain-pages` for `torch.zeros`), so a step reads from memory as a model's would. One
-query row per sequence, SmolLM2's heads by default (9 query heads over 3 KV heads of 64), bf16. Reported: the
+query row per sequence, SmolLM2's heads by default (9 query heads over 3 KV heads of 64), in the dtype the engine
+picks on this CPU (`--dtype auto`: bf16 where the CPU computes it natively, fp32 elsewhere). Reported: the
 median and minimum microseconds a layer over `--repeats` steps of all layers, and scattered's time over the
 other two (over `resident`: how much memory costs on top of the compute).
 """
@@ -77,6 +79,7 @@ def measure(
     layers: int,
     repeats: int,
     plain_pages: bool,
+    dtype: torch.dtype = torch.bfloat16,
     pool_blocks: int = 4096,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -97,7 +100,7 @@ def measure(
         block_size=BLOCK_SIZE,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device="cpu",
         huge_pages=not plain_pages,
     )
@@ -105,7 +108,7 @@ def measure(
     for key, value in caches:
         key.copy_(torch.randn(key.shape, generator=gen))
         value.copy_(torch.randn(value.shape, generator=gen))
-    query = torch.randn(seqs, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    query = torch.randn(seqs, num_heads, head_dim, generator=gen).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     out = torch.empty_like(query)
     results: dict[str, Any] = {}
@@ -126,10 +129,18 @@ def measure(
     scattered = results["scattered"]["median_us"]
     results["scattered_over_sequential"] = round(scattered / results["sequential"]["median_us"], 3)
     results["scattered_over_resident"] = round(scattered / results["resident"]["median_us"], 3)
-    kv_bytes = sum(lens) * num_kv_heads * head_dim * 2 * 2
+    kv_bytes = sum(lens) * num_kv_heads * head_dim * 2 * dtype.itemsize
     results["kv_mb_per_layer"] = round(kv_bytes / 1e6, 2)
     results["scattered_gb_s"] = round(kv_bytes / (scattered * 1e-6) / 1e9, 1)
     return results
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        from structgen.models.cpu_linear import cpu_has_native_bf16
+
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return getattr(torch, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,6 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--plain-pages", action="store_true", help="KV caches from torch.zeros, not on 2 MB pages"
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the KV cache's dtype (default: the engine's auto choice on this CPU)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
@@ -157,8 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("need 0 < LO <= HI, query heads a multiple of KV heads, and positive counts")
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = _dtype(args.dtype)
     results = measure(
         seqs=args.seqs,
+        dtype=dtype,
         context=(low, high),
         heads=(num_heads, num_kv_heads, head_dim),
         layers=args.layers,
@@ -167,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool_blocks=args.pool_blocks,
     )
     print(
-        f"{args.seqs} sequences of {low}-{high} tokens, heads {args.heads}, bf16, {args.layers} layers, "
+        f"{args.seqs} sequences of {low}-{high} tokens, heads {args.heads}, {dtype}, {args.layers} layers, "
         f"{torch.get_num_threads()} threads, {'plain' if args.plain_pages else '2 MB'} pages "
         f"({results['kv_mb_per_layer']} MB of keys and values a layer)"
     )

@@ -107,6 +107,13 @@ INT4_MAX_ROWS = 3
 # above (BENCHMARKS.md).
 WOQ_MAX_ROWS = 64
 
+# fp32 models (CPUs without native bf16) on AVX2: the AVX2 GEMV on the GGUF's blocks takes batches up to this
+# many rows (decode steps, a structured step's forced tokens, short prompt chunks), the packed fp32 product the
+# rest. Its int16 products outrun oneDNN's fp32 ones at every size measured: SmolLM2's 121 products on a 2-core
+# Zen 3, ms GEMV / fp32, 8.2 / 32.9 at 1 row, 54.4 / 88.7 at 32, 97.7 / 156.7 at 64, 175 / 246 at 128 and
+# 364 / 479 at 256, the gap narrowing (BENCHMARKS.md, "AVX2 hosts"); longer prompt chunks stay dense unmeasured.
+GEMV_MAX_ROWS_FP32 = 256
+
 QUANTIZATION_CHOICES = ("auto", "int4", "none")
 
 
@@ -147,14 +154,22 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
         )
+    from structgen.kernels import cpu_woq
+
     weight = next(model.parameters())
     tp_size = getattr(model.model.embed_tokens, "tp_size", 1) if hasattr(model, "model") else 1
-    eligible = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and tp_size == 1
+    fp32 = weight.dtype == torch.float32
+    dtype_ok = weight.dtype == torch.bfloat16 or (fp32 and cpu_woq.avx2_gemv_available())
+    eligible = weight.device.type == "cpu" and dtype_ok and tp_size == 1
     if quantization == "int4" and not eligible:
-        raise ValueError("quantization='int4' needs the CPU, dtype bfloat16 and tensor_parallel_size 1")
+        raise ValueError(
+            "quantization='int4' needs the CPU, dtype bfloat16 (or float32 on a CPU with AVX2) and "
+            "tensor_parallel_size 1"
+        )
     if quantization == "none" or not eligible:
         return 0
-    from structgen.kernels import cpu_woq
+    if fp32:
+        return _attach_fp32_gemv(model, quantization=quantization, gguf_path=gguf_path)
     from structgen.models import int4, woq
 
     layers = kernel_layers(model)
@@ -203,4 +218,40 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         WOQ_MAX_ROWS,
         len(amx),
     )
+    return count
+
+
+def _attach_fp32_gemv(model: nn.Module, *, quantization: str, gguf_path: Path | None) -> int:
+    """`attach_int4` for an fp32 model: the AVX2 GEMV (fp32 in and out) on the GGUF's Q4_1 / Q8_0 blocks (or,
+    with "int4", each weight quantized per group of 32) for up to `GEMV_MAX_ROWS_FP32` rows, the dense kernel
+    above. No torch int4 or AMX kernel: both compute in bf16."""
+    from structgen.kernels import cpu_woq
+    from structgen.models import int4, woq
+
+    layers = kernel_layers(model)
+    if gguf_path is not None:
+        values = int4.load_gguf_int4_weights(gguf_path, model.config)
+        packed_woq = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
+    elif quantization == "int4":
+        values = {
+            name: int4.quantize_int4(module.weight.float())
+            for name, module in layers
+            if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
+        }
+        packed_woq = woq.build_woq_kernels(model, values, {}, by_module=True)
+    else:
+        return 0
+    count = 0
+    for name, module in layers:
+        if name in packed_woq:
+            module.kernel = QuantizedSmallBatches(
+                gemv=cpu_woq.WoqGemv(packed_woq[name]),
+                int4=None,
+                woq=None,
+                dense=module.kernel,
+                weight=module.weight,
+                gemv_rows=GEMV_MAX_ROWS_FP32,
+            )
+            count += 1
+    logger.info("quantized kernels on %d fp32 layers: AVX2 GEMV for <= %d rows", count, GEMV_MAX_ROWS_FP32)
     return count

@@ -123,15 +123,15 @@ class NativeDecodeStep:
     @classmethod
     def build(cls, model: nn.Module, layers: list[_FlatLayer] | None = None) -> NativeDecodeStep | None:
         """For a decoder (`LlamaModel`) whose flat forward applies (its `layers` as that forward resolved them),
-        or None: it needs the CPU attention backend, bf16, and the VNNI GEMV on every projection."""
+        or None: it needs the CPU attention backend and the GEMV on every projection, bf16 (the VNNI one) or fp32
+        (the AVX2 one: what `attach_int4` gives each dtype)."""
         from structgen.attention.cpu_backend import CpuAttentionBackend
         from structgen.kernels.cpu_woq import WoqGemv
         from structgen.models.cpu_linear import QuantizedSmallBatches
 
-        if (
-            not isinstance(model.layers[0].self_attn.attn_backend, CpuAttentionBackend)
-            or model.embed_tokens.weight.dtype != torch.bfloat16
-        ):
+        if not isinstance(
+            model.layers[0].self_attn.attn_backend, CpuAttentionBackend
+        ) or model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
             return None
         layers = layers if layers is not None else [_flat_layer(layer) for layer in model.layers]
         first = layers[0]

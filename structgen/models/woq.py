@@ -79,12 +79,12 @@ def build_woq_kernels(
     by_module: bool = False,
 ) -> dict[str, WoqWeight]:
     """The kernels' packed weight for every linear layer (and the lm_head) that the GGUF's Q4 / Q8_0 blocks cover
-    entirely and whose shape the kernels take, by module name; {} where neither the AMX kernel nor the VNNI
-    GEMV can run. The weights are keyed by HF parameter
-    name (as the GGUF loaders return them), or by module name with `by_module` (weights quantized here)."""
+    entirely and whose shape the kernels take, by module name; {} where none of the AMX kernel and the VNNI
+    and AVX2 GEMVs can run. The weights are keyed by HF parameter name (as the GGUF loaders return them), or
+    by module name with `by_module` (weights quantized here)."""
     from structgen.kernels import cpu_woq
 
-    if not (cpu_woq.amx_available() or cpu_woq.gemv_available()):
+    if not (cpu_woq.amx_available() or cpu_woq.gemv_available() or cpu_woq.avx2_gemv_available()):
         return {}
     kernels: dict[str, WoqWeight] = {}
     available = {*int4_weights, *q8_weights}

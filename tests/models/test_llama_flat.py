@@ -46,28 +46,36 @@ def test_flat_forward_is_not_set_where_it_does_not_apply(architecture: str, reas
     assert not enable_flat_forward(model) and model.model.flat_forward is None
 
 
-def test_native_decode_step_gives_the_flat_forwards_logits() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_decode_step_gives_the_flat_forwards_logits(dtype: torch.dtype) -> None:
     """Decode steps of few rows (up to the GEMV's) run all layers in one native call, also where a sequence has
-    a few new tokens; the same kernels, the same bits."""
+    a few new tokens; the same kernels, the same bits. bf16 layers take the VNNI GEMV, fp32 ones the AVX2 one."""
     from structgen.kernels import cpu_woq
 
     from structgen.models.cpu_linear import (
         GEMV_MAX_ROWS,
+        GEMV_MAX_ROWS_FP32,
         GEMV_MAX_ROWS_WITHOUT_AMX,
         attach_int4,
         prepare_cpu_linears,
     )
 
-    model = random_structgen_model(dtype=torch.bfloat16)
+    model = random_structgen_model(dtype=dtype)
     prepare_cpu_linears(model)
+    gemv = cpu_woq.gemv_available() if dtype == torch.bfloat16 else cpu_woq.avx2_gemv_available()
+    if dtype == torch.float32 and not gemv:
+        pytest.skip("fp32 layers get a GEMV only on AVX2")
     attach_int4(model, quantization="int4", gguf_path=None)
     assert enable_flat_forward(model)
     flat = model.model.flat_forward
-    if not cpu_woq.gemv_available():
+    if not gemv:
         assert flat.native_decode is None  # no GEMV kernels, no native step
         return
     native = flat.native_decode
-    rows = GEMV_MAX_ROWS if cpu_woq.amx_available() else GEMV_MAX_ROWS_WITHOUT_AMX
+    if dtype == torch.float32:
+        rows = GEMV_MAX_ROWS_FP32
+    else:
+        rows = GEMV_MAX_ROWS if cpu_woq.amx_available() else GEMV_MAX_ROWS_WITHOUT_AMX
     assert native is not None and native.max_rows == rows
     calls: list[int] = []
 

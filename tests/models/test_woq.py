@@ -156,3 +156,31 @@ def test_quantizing_an_hf_checkpoint_gives_every_kernel_the_same_weights() -> No
         for kernel in (layer.kernel.gemv, layer.kernel.int4, layer.kernel.woq):
             if kernel is not None:
                 assert ((kernel(x[:4]).float() - exact[:4]).abs() / scale).max().item() < 2**-5
+
+
+@pytest.mark.skipif(not cpu_woq.avx2_gemv_available(), reason="the CPU has no AVX2 / FMA / F16C")
+def test_an_fp32_model_gets_the_gemv_for_a_few_rows_and_the_dense_kernel_above() -> None:
+    from paged_harness import random_structgen_model
+
+    from structgen.models.cpu_linear import GEMV_MAX_ROWS_FP32, attach_int4, prepare_cpu_linears
+
+    model = random_structgen_model(dtype=torch.float32)
+    prepare_cpu_linears(model)
+    attached = attach_int4(model, quantization="int4", gguf_path=None)
+    layers = [m for m in model.modules() if isinstance(getattr(m, "kernel", None), QuantizedSmallBatches)]
+    assert attached == len(layers) > 0
+    assert all(
+        isinstance(m.kernel.gemv, cpu_woq.WoqGemv) and m.kernel.int4 is m.kernel.woq is None for m in layers
+    )
+    gen = torch.Generator().manual_seed(0)
+    layer = next(m for m in layers if m.weight.shape[1] == model.config.hidden_size)
+    x = torch.randn(GEMV_MAX_ROWS_FP32 + 1, model.config.hidden_size, generator=gen)
+    quantized = x @ cpu_woq.dequantize(layer.kernel.gemv.weight, dtype=torch.float32).t()  # what it packed
+    dense = x @ layer.weight.t()
+    few, many = layer.kernel(x[:GEMV_MAX_ROWS_FP32]), layer.kernel(x)
+    assert few.dtype == many.dtype == torch.float32
+    scale = dense.abs().amax() + 1e-3
+    # a few rows: the 4-bit weights (int16 steps of x); more: the layer's own fp32 weights
+    assert ((few - quantized[:GEMV_MAX_ROWS_FP32]).abs() / scale).max().item() < 2**-12
+    torch.testing.assert_close(many, dense, rtol=1e-4, atol=1e-4)
+    assert ((few - dense[:GEMV_MAX_ROWS_FP32]).abs() / scale).max().item() > 2**-12  # it did use 4 bits
