@@ -17,11 +17,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from structgen.models.linear import kernel_layers
+
+if TYPE_CHECKING:
+    from structgen.kernels.cpu_woq import WoqWeight
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +153,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     32); "auto" (only a GGUF's own blocks, which loses nothing the file had). The kernels read the same blocks
     (and the GGUF's Q8_0 lm_head): the VNNI GEMV for up to `GEMV_MAX_ROWS` rows, AMX's for up to
     `WOQ_MAX_ROWS`; torch's int4 kernel takes single streams on layers (or CPUs) the GEMV does not cover. CPU,
-    bf16, one rank only."""
+    bf16 (fp32: the AVX2 GEMV alone, `_attach_fp32_gemv`), one rank only."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
@@ -168,24 +172,16 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         )
     if quantization == "none" or not eligible:
         return 0
-    if fp32:
-        return _attach_fp32_gemv(model, quantization=quantization, gguf_path=gguf_path)
-    from structgen.models import int4, woq
+    from structgen.models import int4
 
     layers = kernel_layers(model)
-    dense = {name: module.kernel for name, module in layers}
-    if gguf_path is not None:
-        values = int4.load_gguf_int4_weights(gguf_path, model.config)
-        packed_woq = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
-    elif quantization == "int4":
-        values = {
-            name: int4.quantize_int4(module.weight.float())
-            for name, module in layers
-            if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
-        }
-        packed_woq = woq.build_woq_kernels(model, values, {}, by_module=True)
-    else:
+    found = _four_bit_weights(model, layers, quantization=quantization, gguf_path=gguf_path)
+    if found is None:
         return 0
+    values, packed_woq = found
+    if fp32:
+        return _attach_fp32_gemv(layers, packed_woq)
+    dense = {name: module.kernel for name, module in layers}
     with_gemv = set(packed_woq) if cpu_woq.gemv_available() else set()
     # torch's int4 copy only where the GEMV does not take the single streams (one 4-bit copy in memory, not two)
     if gguf_path is not None:
@@ -221,26 +217,31 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     return count
 
 
-def _attach_fp32_gemv(model: nn.Module, *, quantization: str, gguf_path: Path | None) -> int:
-    """`attach_int4` for an fp32 model: the AVX2 GEMV (fp32 in and out) on the GGUF's Q4_1 / Q8_0 blocks (or,
-    with "int4", each weight quantized per group of 32) for up to `GEMV_MAX_ROWS_FP32` rows, the dense kernel
-    above. No torch int4 or AMX kernel: both compute in bf16."""
-    from structgen.kernels import cpu_woq
+def _four_bit_weights(
+    model: nn.Module, layers: list[tuple[str, nn.Module]], *, quantization: str, gguf_path: Path | None
+) -> tuple[dict[str, Any], dict[str, WoqWeight]] | None:
+    """(4-bit values by name, the kernels' packed weights by module name): a GGUF's own blocks, or with "int4"
+    each weight quantized per group of 32; None where there is neither."""
     from structgen.models import int4, woq
 
-    layers = kernel_layers(model)
     if gguf_path is not None:
         values = int4.load_gguf_int4_weights(gguf_path, model.config)
-        packed_woq = woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
-    elif quantization == "int4":
-        values = {
-            name: int4.quantize_int4(module.weight.float())
-            for name, module in layers
-            if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
-        }
-        packed_woq = woq.build_woq_kernels(model, values, {}, by_module=True)
-    else:
-        return 0
+        return values, woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
+    if quantization != "int4":
+        return None
+    values = {
+        name: int4.quantize_int4(module.weight.float())
+        for name, module in layers
+        if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
+    }
+    return values, woq.build_woq_kernels(model, values, {}, by_module=True)
+
+
+def _attach_fp32_gemv(layers: list[tuple[str, nn.Module]], packed_woq: dict[str, WoqWeight]) -> int:
+    """`attach_int4` for an fp32 model: the AVX2 GEMV (fp32 in and out) on the packed blocks for up to
+    `GEMV_MAX_ROWS_FP32` rows, the dense kernel above. No torch int4 or AMX kernel: both compute in bf16."""
+    from structgen.kernels import cpu_woq
+
     count = 0
     for name, module in layers:
         if name in packed_woq:

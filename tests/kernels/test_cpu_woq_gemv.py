@@ -8,33 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from structgen.kernels import cpu_woq
+from woq_helpers import activations, exact_product, packed_weight
 
 needs_vnni = pytest.mark.skipif(not cpu_woq.gemv_available(), reason="the CPU has no AVX512-VNNI")
 
 
-def _weight(n: int, k: int, bits: int, *, seed: int = 0) -> cpu_woq.WoqWeight:
-    gen = torch.Generator().manual_seed(seed)
-    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-        return cpu_woq.pack_woq(q, d, -torch.rand(n, k // 32, generator=gen) * 0.1, bits=4)
-    return cpu_woq.pack_woq(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), d, bits=8)
-
-
-def _activations(rows: int, k: int, *, seed: int = 1) -> torch.Tensor:
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
-    x[:, :32] *= 50.0  # blocks of very different ranges: each gets its own scale
-    if k > 64:
-        x[:, 32:64] = 0.0  # an all-zero block (scale 0)
-    return x.bfloat16()
-
-
-def _exact(x: torch.Tensor, weight: cpu_woq.WoqWeight) -> torch.Tensor:
-    return x.double() @ cpu_woq.dequantize(weight, dtype=torch.float32).double().t()
-
-
 def test_activation_quantization_keeps_each_block_to_its_own_scale() -> None:
-    x = _activations(3, 128).float()
+    x = activations(3, 128).float()
     quantized = cpu_woq.quantize_activations(x)
     step = x.reshape(3, 4, 32).abs().amax(dim=-1, keepdim=True) / 32767.0
     assert ((quantized - x).reshape(3, 4, 32).abs() <= step / 2 + 1e-12).all()
@@ -42,10 +22,10 @@ def test_activation_quantization_keeps_each_block_to_its_own_scale() -> None:
 
 
 def test_reference_is_the_exact_product_up_to_int16_activations() -> None:
-    weight = _weight(64, 128, 4)
-    x = _activations(2, 128)
+    weight = packed_weight(64, 128, 4)
+    x = activations(2, 128)
     reference = cpu_woq.woq_gemv_reference(x, weight).double()
-    exact = _exact(x, weight)
+    exact = exact_product(x, weight)
     scale = exact.abs().amax(dim=1, keepdim=True)
     assert ((reference - exact).abs() / scale).max().item() <= 2**-7
 
@@ -55,23 +35,23 @@ def test_reference_is_the_exact_product_up_to_int16_activations() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (576, 1536)])
 def test_kernel_matches_the_reference(bits: int, rows: int, n: int, k: int) -> None:
-    weight = _weight(n, k, bits, seed=rows)
-    x = _activations(rows, k)
+    weight = packed_weight(n, k, bits, seed=rows)
+    x = activations(rows, k)
     out = cpu_woq.woq_gemv(x, weight)
     expected = cpu_woq.woq_gemv_reference(x, weight)
     # the same int16 codes and fp32 weights, fp32 sums in another order: one bf16 rounding apart at most
     scale = expected.float().abs().amax(dim=1, keepdim=True) + 1e-3
     assert ((out.float() - expected.float()).abs() / scale).max().item() <= 2**-7
     # and the exact product of the packed weights: bf16 rounding of the result plus the int16 steps of x
-    exact = _exact(x, weight)
+    exact = exact_product(x, weight)
     assert ((out.double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)).max().item() <= 2**-7
 
 
 @needs_vnni
 def test_kernel_agrees_with_the_amx_path_on_the_same_blocks() -> None:
     """The two kernels differ only in rounding: AMX's weights in bf16, the GEMV's activations in int16."""
-    weight = _weight(96, 576, 4)
-    x = _activations(1, 576)
+    weight = packed_weight(96, 576, 4)
+    x = activations(1, 576)
     dense = (x.float() @ cpu_woq.dequantize(weight).float().t()).bfloat16()  # AMX's arithmetic
     gemv = cpu_woq.woq_gemv(x, weight)
     scale = dense.float().abs().amax() + 1e-3
@@ -80,18 +60,19 @@ def test_kernel_agrees_with_the_amx_path_on_the_same_blocks() -> None:
 
 @needs_vnni
 def test_kernel_takes_other_shapes_and_dtypes_through_the_launcher() -> None:
-    weight = _weight(64, 64, 4)
-    x = torch.randn(2, 1, 64)
+    # fp16 rows go through bf16 (fp32 ones to the AVX2 kernel: tests/kernels/test_cpu_woq_gemv_avx2.py)
+    weight = packed_weight(64, 64, 4)
+    x = torch.randn(2, 1, 64).half()
     out = cpu_woq.WoqGemv(weight)(x)
-    assert out.shape == (2, 1, 64) and out.dtype == torch.float32
-    expected = cpu_woq.woq_gemv_reference(x.reshape(2, 64).bfloat16(), weight).float().reshape(2, 1, 64)
+    assert out.shape == (2, 1, 64) and out.dtype == torch.float16
+    expected = cpu_woq.woq_gemv_reference(x.reshape(2, 64).bfloat16(), weight).half().reshape(2, 1, 64)
     torch.testing.assert_close(out, expected, rtol=2**-7, atol=1e-3)
     assert cpu_woq.woq_gemv(torch.empty(0, 64, dtype=torch.bfloat16), weight).shape == (0, 64)
 
 
 @needs_vnni
 def test_kernel_refuses_mismatched_arguments() -> None:
-    weight = _weight(64, 64, 8)
+    weight = packed_weight(64, 64, 8)
     with pytest.raises(RuntimeError, match="x has K = 96"):  # the op's own check, below the launcher
         torch.ops.structgen_cpu.woq_gemv(
             torch.zeros(2, 96, dtype=torch.bfloat16),

@@ -8,31 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from structgen.kernels import cpu_woq
+from woq_helpers import activations, exact_product, packed_weight
 
 needs_avx2 = pytest.mark.skipif(
     not cpu_woq.avx2_gemv_available(), reason="the CPU has no AVX2 / FMA / F16C (or no native kernels)"
 )
-
-
-def _weight(n: int, k: int, bits: int, *, seed: int = 0) -> cpu_woq.WoqWeight:
-    gen = torch.Generator().manual_seed(seed)
-    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-        return cpu_woq.pack_woq(q, d, -torch.rand(n, k // 32, generator=gen) * 0.1, bits=4)
-    return cpu_woq.pack_woq(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), d, bits=8)
-
-
-def _activations(rows: int, k: int, dtype: torch.dtype, *, seed: int = 1) -> torch.Tensor:
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
-    x[:, :32] *= 50.0  # blocks of very different ranges: each gets its own scale
-    if k > 64:
-        x[:, 32:64] = 0.0  # an all-zero block (scale 0)
-    return x.to(dtype)
-
-
-def _exact(x: torch.Tensor, weight: cpu_woq.WoqWeight) -> torch.Tensor:
-    return x.double() @ cpu_woq.dequantize(weight, dtype=torch.float32).double().t()
 
 
 @needs_avx2
@@ -41,8 +21,8 @@ def _exact(x: torch.Tensor, weight: cpu_woq.WoqWeight) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (576, 1536)])
 def test_kernel_matches_the_reference(dtype: torch.dtype, bits: int, rows: int, n: int, k: int) -> None:
-    weight = _weight(n, k, bits, seed=rows)
-    x = _activations(rows, k, dtype)
+    weight = packed_weight(n, k, bits, seed=rows)
+    x = activations(rows, k, dtype=dtype)
     out = cpu_woq.woq_gemv_avx2(x, weight)
     expected = cpu_woq.woq_gemv_reference(x, weight)
     assert out.dtype == expected.dtype == dtype
@@ -52,23 +32,23 @@ def test_kernel_matches_the_reference(dtype: torch.dtype, bits: int, rows: int, 
     bound = 1e-5 if dtype == torch.float32 else 2**-7
     assert ((out.float() - expected.float()).abs() / scale).max().item() <= bound
     # and the exact product of the packed weights: the int16 steps of x (and bf16 rounding of the result)
-    exact = _exact(x, weight)
+    exact = exact_product(x, weight)
     assert ((out.double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)).max().item() <= 2**-7
 
 
 @needs_avx2
 def test_fp32_rows_are_computed_in_fp32_not_through_bf16() -> None:
-    weight = _weight(64, 128, 8)
-    x = _activations(2, 128, torch.float32)
+    weight = packed_weight(64, 128, 8)
+    x = activations(2, 128, dtype=torch.float32)
     out = cpu_woq.woq_gemv(x, weight)  # fp32 x goes to the AVX2 kernel on any CPU
-    exact = _exact(x, weight)
+    exact = exact_product(x, weight)
     error = ((out.double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)).max().item()
     assert out.dtype == torch.float32 and error < 2**-12  # bf16 rounding alone would be ~2^-9
 
 
 @needs_avx2
 def test_launcher_takes_other_shapes_and_dtypes() -> None:
-    weight = _weight(64, 64, 4)
+    weight = packed_weight(64, 64, 4)
     x = torch.randn(2, 1, 64)
     out = cpu_woq.WoqGemv(weight)(x)
     assert out.shape == (2, 1, 64) and out.dtype == torch.float32
@@ -81,7 +61,7 @@ def test_launcher_takes_other_shapes_and_dtypes() -> None:
 
 @needs_avx2
 def test_kernel_refuses_mismatched_arguments() -> None:
-    weight = _weight(64, 64, 8)
+    weight = packed_weight(64, 64, 8)
     with pytest.raises(RuntimeError, match="x has K = 96"):  # the op's own check, below the launcher
         torch.ops.structgen_cpu.woq_gemv_avx2(
             torch.zeros(2, 96), weight.qweight, weight.scales, weight.mins, 8, torch.empty(2, 64)
