@@ -11,9 +11,9 @@ It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
 same packed weights with AVX512-VNNI integer dot products: x quantized to int16 per block of 32, the weights
 exact (d q + m in fp32, not rounded to bf16), fp32 sums, a bf16 result. `woq_gemv_reference` is that arithmetic
 in torch. It needs AVX512-VNNI (`gemv_available()`), not AMX: Ice Lake, Sapphire Rapids and Zen 4 have it.
-Elsewhere, on AVX2 (`avx2_gemv_available()`: Zen 1-3, Intel client cores), `woq_gemv` runs the same arithmetic
-with VPMADDWD (`csrc/cpu_woq_gemv_avx2.cpp`), and also takes fp32 x (the model's dtype on such CPUs), returning
-fp32.
+For fp32 x (the model's dtype on CPUs without native bf16), `woq_gemv` runs the same arithmetic with AVX2's
+VPMADDWD (`csrc/cpu_woq_gemv_avx2.cpp`, `avx2_gemv_available()`: Zen 1-3, Intel client cores), returning fp32;
+`woq_gemv_avx2` calls that kernel for any dtype.
 """
 
 from __future__ import annotations
@@ -40,16 +40,8 @@ def gemv_available() -> bool:
 
 
 def avx2_gemv_available() -> bool:
-    """Whether the AVX2 GEMV can run here (AVX2, FMA and F16C): `woq_gemv`'s path for fp32 x, and for bf16 x
-    where there is no VNNI."""
+    """Whether the AVX2 GEMV can run here (AVX2, FMA and F16C): `woq_gemv`'s path for fp32 x."""
     return cpu_build.load() and bool(torch.ops.structgen_cpu.gemv_avx2_available())
-
-
-def gemv_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes of x that `woq_gemv` computes in natively here (others are cast)."""
-    if avx2_gemv_available():
-        return (torch.bfloat16, torch.float32)
-    return (torch.bfloat16,) if gemv_available() else ()
 
 
 @dataclass(slots=True)
@@ -134,12 +126,13 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
 
 
 def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W^T` for a few rows of a contiguous x [M, K] through the VNNI kernel (bf16), or the AVX2 one (fp32
-    x, or bf16 without VNNI); other shapes and dtypes are reshaped and cast. Any M works; the kernels are the
-    fast ones up to a handful of rows."""
-    if x.dtype != torch.float32 and gemv_available():
-        return _launch("woq_gemv", x, weight, out)
-    return woq_gemv_avx2(x, weight, out=out)
+    """`x @ W^T` for a few rows of a contiguous x [M, K]: fp32 x through the AVX2 kernel, other dtypes as bf16
+    through the VNNI one (shapes reshaped, dtypes cast). Any M works; the kernels are the fast ones for decode
+    batches. The choice is by dtype alone (no availability check a call: this is every layer's hot path), as
+    `attach_int4` gives the GEMV to fp32 layers only with AVX2 and to bf16 ones only with VNNI."""
+    if x.dtype == torch.float32:
+        return woq_gemv_avx2(x, weight, out=out)
+    return _launch("woq_gemv", x, weight, out)
 
 
 def woq_gemv_avx2(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:

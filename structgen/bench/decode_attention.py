@@ -135,14 +135,6 @@ def measure(
     return results
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        from structgen.models.cpu_linear import cpu_has_native_bf16
-
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    return getattr(torch, name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=32)
@@ -174,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("need 0 < LO <= HI, query heads a multiple of KV heads, and positive counts")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = _dtype(args.dtype)
+    from structgen.models.loader import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, checkpoint_dtype=None, device="cpu")
     results = measure(
         seqs=args.seqs,
         dtype=dtype,
