@@ -35,6 +35,7 @@ SOURCES = (
     "cpu_woq_linear.cpp",
     "cpu_woq_gemv.cpp",
     "cpu_woq_gemv_avx2.cpp",
+    "cpu_woq_q8_avx2.cpp",
     "cpu_decode_step.cpp",
     "cpu_lora.cpp",
     "cpu_sparse_picks.cpp",

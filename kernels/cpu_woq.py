@@ -11,9 +11,11 @@ It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
 same packed weights with AVX512-VNNI integer dot products: x quantized to int16 per block of 32, the weights
 exact (d q + m in fp32, not rounded to bf16), fp32 sums, a bf16 result. `woq_gemv_reference` is that arithmetic
 in torch. It needs AVX512-VNNI (`gemv_available()`), not AMX: Ice Lake, Sapphire Rapids and Zen 4 have it.
-For fp32 x (the model's dtype on CPUs without native bf16), `woq_gemv` runs the same arithmetic with AVX2's
-VPMADDWD (`csrc/cpu_woq_gemv_avx2.cpp`, `avx2_gemv_available()`: Zen 1-3, Intel client cores), returning fp32;
-`woq_gemv_avx2` calls that kernel for any dtype.
+For fp32 x (the model's dtype on CPUs without native bf16), `woq_gemv` takes AVX2 kernels (Zen 1-3, Intel client
+cores; `avx2_gemv_available()`), returning fp32: 8-bit weights the same int16 arithmetic with VPMADDWD
+(`csrc/cpu_woq_gemv_avx2.cpp`, `woq_gemv_avx2` for any dtype), 4-bit ones x quantized to int8 instead, llama.cpp's
+arithmetic for Q4_1 on CPUs, with VPMADDUBSW's twice as many products an instruction (`csrc/cpu_woq_q8_avx2.cpp`,
+`woq_q8_avx2`; `woq_q8_reference`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def gemv_available() -> bool:
 def avx2_gemv_available() -> bool:
     """Whether the AVX2 GEMV can run here (AVX2, FMA and F16C): `woq_gemv`'s path for fp32 x."""
     return cpu_build.load() and bool(torch.ops.structgen_cpu.gemv_avx2_available())
+
+
+def q8_avx2_available() -> bool:
+    """Whether the int8-x AVX2 kernel can run here (the same CPU features as the AVX2 GEMV)."""
+    return cpu_build.load() and bool(torch.ops.structgen_cpu.woq_q8_avx2_available())
 
 
 @dataclass(slots=True)
@@ -126,13 +133,25 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
 
 
 def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W^T` for a few rows of a contiguous x [M, K]: fp32 x through the AVX2 kernel, other dtypes as bf16
-    through the VNNI one (shapes reshaped, dtypes cast). Any M works; the kernels are the fast ones for decode
-    batches. The choice is by dtype alone (no availability check a call: this is every layer's hot path), as
-    `attach_int4` gives the GEMV to fp32 layers only with AVX2 and to bf16 ones only with VNNI."""
+    """`x @ W^T` for a few rows of a contiguous x [M, K]: fp32 x through the AVX2 kernels (4-bit weights the int8-x
+    one, 8-bit the int16-x one), other dtypes as bf16 through the VNNI one (shapes reshaped, dtypes cast). Any M
+    works; the kernels are the fast ones for decode batches. The choice is by dtype and bit width alone (no
+    availability check a call: this is every layer's hot path), as `attach_int4` gives the GEMV to fp32 layers
+    only with AVX2 and to bf16 ones only with VNNI."""
     if x.dtype == torch.float32:
+        if weight.bits == 4:
+            return woq_q8_avx2(x, weight, out=out)
         return woq_gemv_avx2(x, weight, out=out)
     return _launch("woq_gemv", x, weight, out)
+
+
+def woq_q8_avx2(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T` for 4-bit weights through the int8-x AVX2 kernel, any number of rows: fp32 x in fp32, other
+    dtypes as bf16."""
+    if weight.bits != 4:
+        raise ValueError(f"the int8-x AVX2 kernel takes 4-bit weights only, got {weight.bits} bits")
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    return _launch("woq_q8_avx2", x, weight, out, dtype=dtype)
 
 
 def woq_gemv_avx2(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,17 +208,20 @@ def woq_linear_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
     return (x.float() @ dequantize(weight).float().t()).to(torch.bfloat16)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the GEMV sees it: per block of 32, int16 codes of scale max|x| / 32767, back in fp32."""
+def quantize_activations(x: torch.Tensor, *, levels: int = 32767) -> torch.Tensor:
+    """x [M, K] as the GEMVs see it: per block of 32, integer codes of scale max|x| / `levels` (int16's 32767 for
+    the VNNI and AVX2 GEMVs, int8's 127 for the int8-x kernel), back in fp32."""
     blocks = x.float().reshape(x.shape[0], -1, GROUP)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / 32767.0)).reshape(x.shape)
+    # a true division, as the kernels' scalar one: `levels / amax` is torch's reciprocal-then-multiply, which can
+    # move a product that should land just below a half step (63.499996) onto it (63.5), then round it away
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
 
 
-def woq_gemv_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
+def woq_gemv_reference(x: torch.Tensor, weight: WoqWeight, *, levels: int = 32767) -> torch.Tensor:
     """What the GEMVs compute: int16-quantized x (the Q4_1 minimum times the exact sum of x), fp32 weights and
-    sums, the result in x's dtype for fp32 x, else bf16."""
+    sums, the result in x's dtype for fp32 x, else bf16. `levels=127`: the int8-x kernel's x."""
     result = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     w = dequantize(weight, dtype=torch.float32)
     codes_part = w
@@ -207,5 +229,11 @@ def woq_gemv_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
         nb, kb = weight.qweight.shape[:2]
         mins = weight.mins.float().permute(0, 2, 1).reshape(nb * 16, kb).repeat_interleave(GROUP, dim=1)
         codes_part = w - mins
-        return (quantize_activations(x) @ codes_part.t() + x.float() @ mins.t()).to(result)
-    return (quantize_activations(x) @ codes_part.t()).to(result)
+        quantized = quantize_activations(x, levels=levels)
+        return (quantized @ codes_part.t() + x.float() @ mins.t()).to(result)
+    return (quantize_activations(x, levels=levels) @ codes_part.t()).to(result)
+
+
+def woq_q8_reference(x: torch.Tensor, weight: WoqWeight) -> torch.Tensor:
+    """What the int8-x kernel (`woq_q8_avx2`) computes: the GEMVs' arithmetic with x in int8 steps."""
+    return woq_gemv_reference(x, weight, levels=127)

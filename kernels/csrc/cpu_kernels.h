@@ -24,6 +24,9 @@ void woq_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
 bool gemv_avx2_available();
 void woq_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
                    int64_t bits, at::Tensor& out);
+bool woq_q8_avx2_available();
+void woq_q8_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t bits, at::Tensor& out);
 
 void lora_add(const at::Tensor& x, at::Tensor y, const at::Tensor& a, at::TensorList b, at::IntArrayRef offsets,
               const at::Tensor& slots, const at::Tensor& ranks, const c10::optional<at::Tensor>& a_pairs);

@@ -25,6 +25,10 @@ BENCHMARKS = {
         "decode_attention",
         "the CPU decode-attention kernel a layer: scattered blocks vs sequential vs cache-resident",
     ),
+    "cpu-linears": (
+        "cpu_linears",
+        "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",
+    ),
     "gpu-engine": ("gpu_engine", "the whole engine on a GPU: backends agree, structured vs free tokens/s"),
     "tools": ("tools", "tool calling"),
     "completion": (

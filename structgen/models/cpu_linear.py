@@ -111,12 +111,18 @@ INT4_MAX_ROWS = 3
 # above (BENCHMARKS.md).
 WOQ_MAX_ROWS = 64
 
-# fp32 models (CPUs without native bf16) on AVX2: the AVX2 GEMV on the GGUF's blocks takes batches up to this
-# many rows (decode steps, a structured step's forced tokens, short prompt chunks), the packed fp32 product the
-# rest. Its int16 products outrun oneDNN's fp32 ones at every size measured: SmolLM2's 121 products on a 2-core
+# fp32 models (CPUs without native bf16) on AVX2: the int16-x AVX2 GEMV on the GGUF's 8-bit blocks (the lm_head)
+# takes batches up to this many rows (decode steps, a structured step's forced tokens, short prompt chunks), the
+# packed fp32 product the rest. Its int16 products outrun oneDNN's fp32 ones at every size measured: SmolLM2's 121 products on a 2-core
 # Zen 3, ms GEMV / fp32, 8.2 / 32.9 at 1 row, 54.4 / 88.7 at 32, 97.7 / 156.7 at 64, 175 / 246 at 128 and
 # 364 / 479 at 256, the gap narrowing (BENCHMARKS.md, "AVX2 hosts"); longer prompt chunks stay dense unmeasured.
 GEMV_MAX_ROWS_FP32 = 256
+# Their 4-bit layers take the int8-x kernel (`cpu_woq.woq_q8_avx2`, twice VPMADDWD's products an instruction):
+# faster than the int16-x GEMV and than oneDNN's fp32 product at every size measured, prompt chunks included
+# (SmolLM2's 120 layer products on a 2-core Zen 3, ms int8-x / fp32: 8.4 / 43.5 at 4 rows, 83 / 150 at 64,
+# 402 / 581 at 384, 1,269 / 1,587 at 1,024, 2,201 / 3,267 at 2,048: BENCHMARKS.md, "Session 33"), so up to the
+# default token budget of a forward (`max_num_batched_tokens`); larger chunks, unmeasured, stay dense.
+GEMV_MAX_ROWS_FP32_4BIT = 2048
 
 QUANTIZATION_CHOICES = ("auto", "int4", "none")
 
@@ -238,21 +244,32 @@ def _four_bit_weights(
 
 
 def _attach_fp32_gemv(layers: list[tuple[str, nn.Module]], packed_woq: dict[str, WoqWeight]) -> int:
-    """`attach_int4` for an fp32 model: the AVX2 GEMV (fp32 in and out) on the packed blocks for up to
-    `GEMV_MAX_ROWS_FP32` rows, the dense kernel above. No torch int4 or AMX kernel: both compute in bf16."""
+    """`attach_int4` for an fp32 model: the AVX2 kernels (fp32 in and out) on the packed blocks, 4-bit layers
+    the int8-x one for up to `GEMV_MAX_ROWS_FP32_4BIT` rows, 8-bit ones the int16-x GEMV for up to
+    `GEMV_MAX_ROWS_FP32`, the dense kernel above. No torch int4 or AMX kernel: both compute in bf16."""
     from structgen.kernels import cpu_woq
 
-    count = 0
+    count, four_bit = 0, 0
     for name, module in layers:
         if name in packed_woq:
+            packed = packed_woq[name]
             module.kernel = QuantizedSmallBatches(
-                gemv=cpu_woq.WoqGemv(packed_woq[name]),
+                gemv=cpu_woq.WoqGemv(packed),  # `woq_gemv` picks the kernel by bit width
                 int4=None,
                 woq=None,
                 dense=module.kernel,
                 weight=module.weight,
-                gemv_rows=GEMV_MAX_ROWS_FP32,
+                gemv_rows=GEMV_MAX_ROWS_FP32_4BIT if packed.bits == 4 else GEMV_MAX_ROWS_FP32,
             )
             count += 1
-    logger.info("quantized kernels on %d fp32 layers: AVX2 GEMV for <= %d rows", count, GEMV_MAX_ROWS_FP32)
+            four_bit += packed.bits == 4
+    logger.info(
+        "quantized kernels on %d fp32 layers: AVX2 int8-x for <= %d rows on %d 4-bit ones, int16-x GEMV for "
+        "<= %d on %d 8-bit ones",
+        count,
+        GEMV_MAX_ROWS_FP32_4BIT,
+        four_bit,
+        GEMV_MAX_ROWS_FP32,
+        count - four_bit,
+    )
     return count

@@ -162,7 +162,7 @@ def test_quantizing_an_hf_checkpoint_gives_every_kernel_the_same_weights() -> No
 def test_an_fp32_model_gets_the_gemv_for_a_few_rows_and_the_dense_kernel_above() -> None:
     from paged_harness import random_structgen_model
 
-    from structgen.models.cpu_linear import GEMV_MAX_ROWS_FP32, attach_int4, prepare_cpu_linears
+    from structgen.models.cpu_linear import GEMV_MAX_ROWS_FP32_4BIT, attach_int4, prepare_cpu_linears
 
     model = random_structgen_model(dtype=torch.float32)
     prepare_cpu_linears(model)
@@ -174,13 +174,16 @@ def test_an_fp32_model_gets_the_gemv_for_a_few_rows_and_the_dense_kernel_above()
     )
     gen = torch.Generator().manual_seed(0)
     layer = next(m for m in layers if m.weight.shape[1] == model.config.hidden_size)
-    x = torch.randn(GEMV_MAX_ROWS_FP32 + 1, model.config.hidden_size, generator=gen)
-    quantized = x @ cpu_woq.dequantize(layer.kernel.gemv.weight, dtype=torch.float32).t()  # what it packed
+    x = torch.randn(GEMV_MAX_ROWS_FP32_4BIT + 1, model.config.hidden_size, generator=gen)
+    packed = layer.kernel.gemv.weight
+    assert packed.bits == 4 and layer.kernel.gemv_rows == GEMV_MAX_ROWS_FP32_4BIT
+    quantized = cpu_woq.woq_q8_reference(x, packed)  # what the int8-x kernel computes on what it packed
     dense = x @ layer.weight.t()
-    few, many = layer.kernel(x[:GEMV_MAX_ROWS_FP32]), layer.kernel(x)
+    bound = GEMV_MAX_ROWS_FP32_4BIT
+    few, many = layer.kernel(x[:bound]), layer.kernel(x)
     assert few.dtype == many.dtype == torch.float32
     scale = dense.abs().amax() + 1e-3
-    # a few rows: the 4-bit weights (int16 steps of x); more: the layer's own fp32 weights
-    assert ((few - quantized[:GEMV_MAX_ROWS_FP32]).abs() / scale).max().item() < 2**-12
+    # up to the bound: the 4-bit weights (int8 steps of x); more: the layer's own fp32 weights
+    assert ((few - quantized[:bound]).abs() / scale).max().item() < 2**-12
     torch.testing.assert_close(many, dense, rtol=1e-4, atol=1e-4)
-    assert ((few - dense[:GEMV_MAX_ROWS_FP32]).abs() / scale).max().item() > 2**-12  # it did use 4 bits
+    assert ((few - dense[:bound]).abs() / scale).max().item() > 2**-12  # it did use 4 bits
