@@ -47,6 +47,17 @@ struct Elem<c10::BFloat16> {
   static inline float round(float v) { return load(store(v)); }
 };
 
+// For functions whose loops call `fast_exp`: GCC without AVX-512 leaves such loops scalar ("control flow in
+// loop"), because partial redundancy elimination and sinking specialize the clamps' paths (a clamped input folds
+// to a constant) into branches it cannot if-convert without masked instructions. On an AVX2-only Zen 3 that kept
+// `silu_and_mul` at 0.23 G elements/s, a third of torch's speed; with these two passes off the loop vectorizes
+// (BENCHMARKS.md, "Session 33"). AVX-512 builds vectorized either way. Clang has no such attribute (nor the issue).
+#if defined(__GNUC__) && !defined(__clang__)
+#define STRUCTGEN_VECTORIZE_EXP __attribute__((optimize("no-tree-pre", "no-tree-sink")))
+#else
+#define STRUCTGEN_VECTORIZE_EXP
+#endif
+
 // exp(x) to ~2 ulp over the float range, written so a loop of it vectorizes (no libm call): 2^(x log2 e) split
 // into 2^n (exponent bits) times a degree-7 polynomial for 2^f, f in [-0.5, 0.5]. Underflows to 0 below
 // -87.3 (softmax weights of masked or far-below-max scores), overflows to inf above 88.7, NaN stays NaN.

@@ -31,7 +31,7 @@ namespace structgen_cpu {
 namespace {
 
 // Exact softmax of one head's scores, in float: the max subtracted first, then exp, sum and scale.
-inline void softmax_in_place(float* __restrict sc, int64_t len) {
+STRUCTGEN_VECTORIZE_EXP inline void softmax_in_place(float* __restrict sc, int64_t len) {
   float m = -INFINITY;
   for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
   float sum = 0.f;
