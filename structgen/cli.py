@@ -34,8 +34,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         choices=["auto", "int4", "none"],
-        help="weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): auto (a GGUF's own 4-bit "
-        "blocks, as the default model's), int4 (also quantize HF checkpoints), none",
+        help="weight-only int4 on the CPU (decode batches in bf16; decode and prompts in fp32 on AVX2): auto (a "
+        "GGUF's own 4-bit blocks, as the default model's), int4 (also quantize HF checkpoints), none",
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 

@@ -179,7 +179,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    # Weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): "auto" reads a GGUF's own 4-bit
+    # Weight-only int4 on the CPU (decode batches in bf16; fp32 on AVX2 prompts too): "auto" reads a GGUF's 4-bit
     # blocks (the default model's), "int4" also quantizes HF checkpoints, "none" turns it off. See
     # structgen.models.cpu_linear.
     quantization: str = "auto"
