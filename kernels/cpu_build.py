@@ -43,6 +43,7 @@ SOURCES = (
     "cpu_narrow_logits.cpp",
 )
 HEADERS = (
+    "cpu_avx2_vec.h",
     "cpu_common.h",
     "cpu_context_stager.h",
     "cpu_kernels.h",

@@ -11,11 +11,12 @@ It needs AMX (`amx_available()`); elsewhere callers keep their other paths.
 same packed weights with AVX512-VNNI integer dot products: x quantized to int16 per block of 32, the weights
 exact (d q + m in fp32, not rounded to bf16), fp32 sums, a bf16 result. `woq_gemv_reference` is that arithmetic
 in torch. It needs AVX512-VNNI (`gemv_available()`), not AMX: Ice Lake, Sapphire Rapids and Zen 4 have it.
-For fp32 x (the model's dtype on CPUs without native bf16), `woq_gemv` takes AVX2 kernels (Zen 1-3, Intel client
-cores; `avx2_gemv_available()`), returning fp32: 8-bit weights the same int16 arithmetic with VPMADDWD
-(`csrc/cpu_woq_gemv_avx2.cpp`, `woq_gemv_avx2` for any dtype), 4-bit ones x quantized to int8 instead, llama.cpp's
-arithmetic for Q4_1 on CPUs, with VPMADDUBSW's twice as many products an instruction (`csrc/cpu_woq_q8_avx2.cpp`,
-`woq_q8_avx2`; `woq_q8_reference`).
+For fp32 x (the model's dtype on CPUs without native bf16), `woq_gemv` runs the same arithmetic with AVX2's
+VPMADDWD (`csrc/cpu_woq_gemv_avx2.cpp`, `avx2_gemv_available()`: Zen 1-3, Intel client cores), returning fp32;
+`woq_gemv_avx2` calls that kernel for any dtype. `woq_q8_avx2` (`csrc/cpu_woq_q8_avx2.cpp`, 4-bit weights) quantizes
+x to int8 instead, llama.cpp's arithmetic for Q4_1 on CPUs: VPMADDUBSW makes twice VPMADDWD's products an
+instruction, at the cost of x's precision (greedy outputs no longer those of the exact product); fp32 models give
+it the prompt chunks, where the int16 GEMV is no faster than oneDNN's fp32 product (`woq_q8_reference`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ class WoqGemv:
         return woq_gemv(x, self.weight)
 
 
+@dataclass(slots=True, frozen=True)
+class WoqQ8:
+    """A packed 4-bit weight as a layer kernel through the int8-x AVX2 kernel (`woq_q8_avx2`): prompt chunks."""
+
+    weight: WoqWeight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return woq_q8_avx2(x, self.weight)
+
+
 def check_shape(n: int, k: int) -> str | None:
     """Why a [N, K] weight cannot be packed, or None."""
     if n % STRIP or k % GROUP:
@@ -133,14 +144,11 @@ def woq_linear(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None =
 
 
 def woq_gemv(x: torch.Tensor, weight: WoqWeight, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W^T` for a few rows of a contiguous x [M, K]: fp32 x through the AVX2 kernels (4-bit weights the int8-x
-    one, 8-bit the int16-x one), other dtypes as bf16 through the VNNI one (shapes reshaped, dtypes cast). Any M
-    works; the kernels are the fast ones for decode batches. The choice is by dtype and bit width alone (no
-    availability check a call: this is every layer's hot path), as `attach_int4` gives the GEMV to fp32 layers
-    only with AVX2 and to bf16 ones only with VNNI."""
+    """`x @ W^T` for a few rows of a contiguous x [M, K]: fp32 x through the AVX2 kernel, other dtypes as bf16
+    through the VNNI one (shapes reshaped, dtypes cast). Any M works; the kernels are the fast ones for decode
+    batches. The choice is by dtype alone (no availability check a call: this is every layer's hot path), as
+    `attach_int4` gives the GEMV to fp32 layers only with AVX2 and to bf16 ones only with VNNI."""
     if x.dtype == torch.float32:
-        if weight.bits == 4:
-            return woq_q8_avx2(x, weight, out=out)
         return woq_gemv_avx2(x, weight, out=out)
     return _launch("woq_gemv", x, weight, out)
 

@@ -69,7 +69,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     max_batch_size: int = 1
     model: str | None = None  # draft_model: the draft checkpoint
-    quantization: str = "auto"  # draft_model: the draft's weights (auto, int4, none), as EngineConfig's
+    quantization: str = "auto"  # draft_model: the draft's weights (auto, int4, w4a8, none), as EngineConfig's
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -82,8 +82,8 @@ class SpeculativeConfig:
             )
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f'"model" is the draft_model method\'s draft; method {self.method!r} takes none')
-        if self.quantization not in ("auto", "int4", "none"):
-            raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")
+        if self.quantization not in ("auto", "int4", "w4a8", "none"):
+            raise ValueError(f"quantization must be one of auto, int4, w4a8, none; got {self.quantization!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
@@ -179,8 +179,9 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
-    # Weight-only int4 on the CPU (decode batches in bf16; fp32 on AVX2 prompts too): "auto" reads a GGUF's 4-bit
-    # blocks (the default model's), "int4" also quantizes HF checkpoints, "none" turns it off. See
+    # Weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): "auto" reads a GGUF's own 4-bit
+    # blocks (the default model's), "int4" also quantizes HF checkpoints, "w4a8" adds int8 activations for an fp32
+    # model's prompt chunks (faster prompts, outputs no longer the exact product's), "none" turns it off. See
     # structgen.models.cpu_linear.
     quantization: str = "auto"
     device: str | None = None
@@ -216,5 +217,5 @@ class EngineConfig:
                 raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.lora is not None and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet")
-        if self.quantization not in ("auto", "int4", "none"):
-            raise ValueError(f"quantization must be one of auto, int4, none; got {self.quantization!r}")
+        if self.quantization not in ("auto", "int4", "w4a8", "none"):
+            raise ValueError(f"quantization must be one of auto, int4, w4a8, none; got {self.quantization!r}")

@@ -10,9 +10,9 @@
 // residual, updated in place), cos and sin as the rotary kernel takes them, the attention metadata of a pure
 // decode step, each layer's key and value cache, and per layer `kWeightsPerLayer` tensors: the input and
 // post-attention norm weights, then (qweight, scales, mins) of the fused qkv, o, fused gate_up and down
-// projections packed for `woq_gemv` (bf16; fp32: `woq_q8_avx2` at 4 bits, `woq_gemv_avx2` at 8), with their bit
-// widths in `bits` (4 a layer); the final norm's weight last. `eps`: the two norms' epsilon of each layer, then
-// the final norm's. Returns the final norm's output [rows, hidden].
+// projections packed for `woq_gemv` (bf16; `woq_gemv_avx2` for fp32), with their bit widths in `bits` (4 a
+// layer); the final norm's weight last. `eps`: the two norms' epsilon of each layer, then the final norm's.
+// Returns the final norm's output [rows, hidden].
 //
 // With LoRA adapters (`structgen/lora/layers.py`) in the step: `lora` holds, for each layer and linear in the
 // order above, the slots' `a` [slots, parts, rank, in], their `ranks` [slots, parts], `a` by input pairs (or an
@@ -60,11 +60,9 @@ struct Step {
     const int64_t first = layer * kWeightsPerLayer + 2 + 3 * which;
     const at::Tensor& qweight = weights[first];
     at::Tensor out = at::empty({rows, qweight.size(0) * 16}, x.options());
-    // bf16 rows: the VNNI GEMV (what `attach_int4` gives bf16 layers); fp32 rows: the AVX2 ones (fp32 layers'),
-    // int8 x for 4-bit weights and int16 x for 8-bit ones, as `cpu_woq.woq_gemv` chooses.
-    const int64_t width = bits[layer * kLinearsPerLayer + which];
-    const auto gemv = x.scalar_type() != at::kFloat ? &woq_gemv : width == 4 ? &woq_q8_avx2 : &woq_gemv_avx2;
-    gemv(x, qweight, weights[first + 1], weights[first + 2], width, out);
+    // bf16 rows: the VNNI GEMV (what `attach_int4` gives bf16 layers); fp32 rows: the AVX2 one (fp32 layers').
+    const auto gemv = x.scalar_type() == at::kFloat ? &woq_gemv_avx2 : &woq_gemv;
+    gemv(x, qweight, weights[first + 1], weights[first + 2], bits[layer * kLinearsPerLayer + which], out);
     if (!lora_at.empty()) {
       const int64_t at = lora_at[layer * kLinearsPerLayer + which];
       const at::Tensor& a = lora[at];

@@ -23,21 +23,18 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu_avx2_vec.h"
 #include "cpu_kernels.h"
 #include "cpu_woq_checks.h"
-
-#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 9)
-#define STRUCTGEN_GEMV_AVX2 1
-#else
-#define STRUCTGEN_GEMV_AVX2 0
-#endif
 
 namespace structgen_cpu {
 namespace {
 
-#if STRUCTGEN_GEMV_AVX2
+#if STRUCTGEN_AVX2
 
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX2_TARGET STRUCTGEN_AVX2_TARGET
+using avx2::load8;
+using avx2::store8;
 
 constexpr int kGroup = 32;  // weights per quantization block along K
 constexpr int kTileN = 16;  // output columns per tile
@@ -45,14 +42,6 @@ constexpr int kPassRows = 3;  // rows of x per pass over a tile row (2 fp32 accu
 constexpr int kPrefetchBytes = 4096;  // how far ahead the codes are requested (as the VNNI kernel)
 constexpr float kInt16Max = 32767.0f;
 typedef int32_t __attribute__((may_alias)) AliasedInt32;  // two int16 codes read as one lane
-
-bool avx2_usable() {
-  static const bool usable = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return usable;
-}
 
 // x as the products read it: int16 codes, and per row and block the scale dx and the exact sum of x (the Q4_1
 // minimum multiplies it).
@@ -70,67 +59,16 @@ struct QuantizedRows {
 };
 
 template <typename T>
-AVX2_TARGET inline __m256 load8(const T* p);
-
-template <>
-AVX2_TARGET inline __m256 load8<float>(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-
-template <>
-AVX2_TARGET inline __m256 load8<uint16_t>(const uint16_t* p) {  // bf16
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-template <typename T>
-AVX2_TARGET inline void store8(T* p, __m256 v);
-
-template <>
-AVX2_TARGET inline void store8<float>(float* p, __m256 v) {
-  _mm256_storeu_ps(p, v);
-}
-
-// fp32 to bf16 bits, rounded to nearest even, NaN kept NaN (c10::BFloat16's rounding).
-template <>
-AVX2_TARGET inline void store8<uint16_t>(uint16_t* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // eight 32-bit lanes holding 16-bit values: pack within the 128-bit halves, then put the halves' quads together
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-AVX2_TARGET inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-AVX2_TARGET inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-template <typename T>
 AVX2_TARGET void quantize_rows(const T* x, int64_t M, int64_t K, int16_t* codes, float* scale, float* sum) {
   const int64_t kb_count = K / kGroup;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      const T* src = x + m * K + kb * kGroup;
-      __m256 v[4];
-      for (int i = 0; i < 4; ++i) v[i] = load8(src + 8 * i);
-      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                         _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-      const float amax = max8(amax8);
+      const avx2::Block32 block = avx2::load_block(x + m * K + kb * kGroup);
+      const __m256* v = block.v;
+      const float amax = block.amax;
       const float inv = amax > 0.0f && std::isfinite(amax) ? kInt16Max / amax : 0.0f;
       scale[m * kb_count + kb] = amax / kInt16Max;
-      sum[m * kb_count + kb] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      sum[m * kb_count + kb] = block.sum;
       const __m256 vinv = _mm256_set1_ps(inv);
       int16_t* dst = codes + m * K + kb * kGroup;
       for (int i = 0; i < 4; i += 2) {
@@ -261,13 +199,13 @@ AVX2_TARGET void woq_gemv_avx2_rows(const T* x, int64_t M, int64_t K, const Pack
   }
 }
 
-#endif  // STRUCTGEN_GEMV_AVX2
+#endif  // STRUCTGEN_AVX2
 
 }  // namespace
 
 bool gemv_avx2_available() {
-#if STRUCTGEN_GEMV_AVX2
-  return avx2_usable();
+#if STRUCTGEN_AVX2
+  return avx2::usable();
 #else
   return false;
 #endif
@@ -279,7 +217,7 @@ void woq_gemv_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   check_woq_args("woq_gemv_avx2", x, qweight, scales, mins, bits, out, /*allow_fp32=*/true);
   const int64_t kb = qweight.size(1), M = x.size(0), K = x.size(1), N = qweight.size(0) * 16;
   if (M == 0) return;
-#if STRUCTGEN_GEMV_AVX2
+#if STRUCTGEN_AVX2
   const PackedWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                        reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                        bits == 4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr()) : nullptr, static_cast<int>(bits),

@@ -29,21 +29,17 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu_avx2_vec.h"
 #include "cpu_kernels.h"
 #include "cpu_woq_checks.h"
-
-#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 9)
-#define STRUCTGEN_Q8_AVX2 1
-#else
-#define STRUCTGEN_Q8_AVX2 0
-#endif
 
 namespace structgen_cpu {
 namespace {
 
-#if STRUCTGEN_Q8_AVX2
+#if STRUCTGEN_AVX2
 
-#define Q8_TARGET __attribute__((target("avx2,fma,f16c")))
+#define Q8_TARGET STRUCTGEN_AVX2_TARGET
+using avx2::store8;
 
 constexpr int kGroup = 32;  // weights per quantization block along K
 constexpr int kTileN = 16;  // output columns per tile
@@ -52,14 +48,6 @@ constexpr int kPassRows = 4;  // rows of x per pass over a tile row (two int16 s
 constexpr int kPrefetchBytes = 4096;  // how far ahead the codes are requested
 constexpr int64_t kChunkBytes = 16 * 1024;  // x's pairs a chunk of rows: half of a 32 KB L1
 constexpr float kInt8Max = 127.0f;
-
-bool q8_usable() {
-  static const bool usable = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return usable;
-}
 
 // x as the products read it: per row and block, 16 int32 lanes each holding the block's k-pair p twice (bytes
 // x[2p], x[2p + 1], x[2p], x[2p + 1]) so one VPBROADCASTD loads a pair for every column; the scale dx and the
@@ -76,68 +64,18 @@ struct QuantizedRows {
 };
 
 template <typename T>
-Q8_TARGET inline __m256 load8(const T* p);
-
-template <>
-Q8_TARGET inline __m256 load8<float>(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-
-template <>
-Q8_TARGET inline __m256 load8<uint16_t>(const uint16_t* p) {  // bf16
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-template <typename T>
-Q8_TARGET inline void store8(T* p, __m256 v);
-
-template <>
-Q8_TARGET inline void store8<float>(float* p, __m256 v) {
-  _mm256_storeu_ps(p, v);
-}
-
-// fp32 to bf16 bits, rounded to nearest even, NaN kept NaN (c10::BFloat16's rounding).
-template <>
-Q8_TARGET inline void store8<uint16_t>(uint16_t* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-Q8_TARGET inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-Q8_TARGET inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-template <typename T>
 Q8_TARGET void quantize_rows(const T* x, int64_t M, int64_t K, int32_t* pairs, float* scale, float* sum) {
   const int64_t kb_count = K / kGroup;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   // A prompt chunk's rows in parallel: ~15% of the product's time at 512 rows otherwise.
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      const T* src = x + m * K + kb * kGroup;
-      __m256 v[4];
-      for (int i = 0; i < 4; ++i) v[i] = load8(src + 8 * i);
-      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                         _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-      const float amax = max8(amax8);
+      const avx2::Block32 block = avx2::load_block(x + m * K + kb * kGroup);
+      const __m256* v = block.v;
+      const float amax = block.amax;
       const float inv = amax > 0.0f && std::isfinite(amax) ? kInt8Max / amax : 0.0f;
       scale[m * kb_count + kb] = amax / kInt8Max;
-      sum[m * kb_count + kb] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      sum[m * kb_count + kb] = block.sum;
       const __m256 vinv = _mm256_set1_ps(inv);
       __m256i q[4];  // int32 codes in -127..127 (|x| * 127 / max|x| <= 127), rounded to nearest even
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
@@ -269,13 +207,13 @@ Q8_TARGET void woq_q8_rows(const T* x, int64_t M, int64_t K, const PackedWeight&
   }
 }
 
-#endif  // STRUCTGEN_Q8_AVX2
+#endif  // STRUCTGEN_AVX2
 
 }  // namespace
 
 bool woq_q8_avx2_available() {
-#if STRUCTGEN_Q8_AVX2
-  return q8_usable();
+#if STRUCTGEN_AVX2
+  return avx2::usable();
 #else
   return false;
 #endif
@@ -288,7 +226,7 @@ void woq_q8_avx2(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
   TORCH_CHECK(bits == 4, "woq_q8_avx2: only 4-bit (Q4_1) weights, got ", bits, " bits");
   const int64_t kb = qweight.size(1), M = x.size(0), K = x.size(1), N = qweight.size(0) * 16;
   if (M == 0) return;
-#if STRUCTGEN_Q8_AVX2
+#if STRUCTGEN_AVX2
   const PackedWeight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                        reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                        reinterpret_cast<const uint16_t*>(mins.data_ptr()), kb};

@@ -63,6 +63,15 @@ def _products(shapes: list[tuple[int, int, int]], *, bf16: bool, seed: int) -> l
     return products
 
 
+def _int8_x(product: _Product, x: torch.Tensor) -> Any:
+    """The int8-x kernel on 4-bit products; 8-bit ones (the lm_head) have only the int16-x GEMV."""
+    from structgen.kernels import cpu_woq
+
+    if product.packed.bits == 4:
+        return cpu_woq.woq_q8_avx2(x, product.packed)
+    return cpu_woq.woq_gemv_avx2(x, product.packed)
+
+
 def _kernels(
     products: list[_Product],
 ) -> dict[str, tuple[torch.dtype, Callable[[_Product, torch.Tensor], Any]]]:
@@ -77,7 +86,7 @@ def _kernels(
         kernels["bf16 dense"] = (torch.bfloat16, lambda p, x: p.dense_bf16(x))  # type: ignore[misc]
     if cpu_woq.avx2_gemv_available():
         kernels["int16-x GEMV (AVX2)"] = (torch.float32, lambda p, x: cpu_woq.woq_gemv_avx2(x, p.packed))
-        kernels["int8-x (AVX2)"] = (torch.float32, lambda p, x: cpu_woq.woq_gemv(x, p.packed))
+        kernels["int8-x (AVX2)"] = (torch.float32, _int8_x)
     if (
         cpu_woq.gemv_available()
         and resolve_dtype("auto", checkpoint_dtype=None, device="cpu") == torch.bfloat16

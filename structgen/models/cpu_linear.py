@@ -111,27 +111,30 @@ INT4_MAX_ROWS = 3
 # above (BENCHMARKS.md).
 WOQ_MAX_ROWS = 64
 
-# fp32 models (CPUs without native bf16) on AVX2: the int16-x AVX2 GEMV on the GGUF's 8-bit blocks (the lm_head)
-# takes batches up to this many rows (decode steps, a structured step's forced tokens, short prompt chunks), the
-# packed fp32 product the rest. Its int16 products outrun oneDNN's fp32 ones at every size measured: SmolLM2's 121 products on a 2-core
+# fp32 models (CPUs without native bf16) on AVX2: the AVX2 GEMV on the GGUF's blocks takes batches up to this
+# many rows (decode steps, a structured step's forced tokens, short prompt chunks), the packed fp32 product the
+# rest. Its int16 products outrun oneDNN's fp32 ones at every size measured: SmolLM2's 121 products on a 2-core
 # Zen 3, ms GEMV / fp32, 8.2 / 32.9 at 1 row, 54.4 / 88.7 at 32, 97.7 / 156.7 at 64, 175 / 246 at 128 and
-# 364 / 479 at 256, the gap narrowing (BENCHMARKS.md, "AVX2 hosts"); longer prompt chunks stay dense unmeasured.
+# 364 / 479 at 256, the gap narrowing (BENCHMARKS.md, "AVX2 hosts"). Its x in int16 steps keeps greedy outputs
+# those of the exact product of the 4-bit weights (20 of 20 prompts, 48 tokens each, BENCHMARKS.md "Session 33").
 GEMV_MAX_ROWS_FP32 = 256
-# Their 4-bit layers take the int8-x kernel (`cpu_woq.woq_q8_avx2`, twice VPMADDWD's products an instruction):
-# faster than the int16-x GEMV and than oneDNN's fp32 product at every size measured, prompt chunks included
-# (SmolLM2's 120 layer products on a 2-core Zen 3, ms int8-x / fp32: 8.4 / 43.5 at 4 rows, 83 / 150 at 64,
-# 402 / 581 at 384, 1,269 / 1,587 at 1,024, 2,201 / 3,267 at 2,048: BENCHMARKS.md, "Session 33"), so up to the
-# default token budget of a forward (`max_num_batched_tokens`); larger chunks, unmeasured, stay dense.
-GEMV_MAX_ROWS_FP32_4BIT = 2048
+# With quantization "w4a8", 4-bit layers take the int8-x kernel (`cpu_woq.woq_q8_avx2`, twice VPMADDWD's products
+# an instruction) above it, up to this many rows: prompt chunks, 0.66-0.80x oneDNN's fp32 time from 384 to 2,048
+# rows where the int16 GEMV is no faster than fp32 (SmolLM2's 120 layer products: BENCHMARKS.md, "Session 33").
+# Opt-in, not the default: x in int8 steps changes greedy outputs, a batch's prompts computed that way included
+# (16 of those 20 prompts diverged, some at the first token). Up to the default token budget of a forward
+# (`max_num_batched_tokens`); larger chunks, unmeasured, stay dense.
+Q8_MAX_ROWS_FP32 = 2048
 
-QUANTIZATION_CHOICES = ("auto", "int4", "none")
+# "w4a8": "int4"'s weights, and on fp32 models (AVX2) x in int8 steps for prompt chunks (`Q8_MAX_ROWS_FP32`).
+QUANTIZATION_CHOICES = ("auto", "int4", "w4a8", "none")
 
 
 @dataclass(slots=True)
 class QuantizedSmallBatches:
     """Each batch to the fastest kernel for its row count: the VNNI GEMV (<= `gemv_rows`), torch's int4
     (<= `int4_rows`), the AMX one (<= `woq_rows`), else the dense (bf16) one. A missing kernel passes its rows
-    on to the next."""
+    on to the next. fp32 models on AVX2: the AVX2 GEMV, then the int8-x kernel in the AMX one's place."""
 
     gemv: Callable[[torch.Tensor], torch.Tensor] | None
     int4: Callable[[torch.Tensor], torch.Tensor] | None
@@ -156,7 +159,8 @@ class QuantizedSmallBatches:
 def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) -> int:
     """Weight-only 4-bit kernels for small batches, returning how many layers got one. `quantization`: "none";
     "int4" (the GGUF's own 4-bit blocks when the model came from one, else each weight quantized per group of
-    32); "auto" (only a GGUF's own blocks, which loses nothing the file had). The kernels read the same blocks
+    32); "auto" (only a GGUF's own blocks, which loses nothing the file had); "w4a8" (as "int4", and an fp32
+    model's prompt chunks through the int8-x kernel, llama.cpp's arithmetic). The kernels read the same blocks
     (and the GGUF's Q8_0 lm_head): the VNNI GEMV for up to `GEMV_MAX_ROWS` rows, AMX's for up to
     `WOQ_MAX_ROWS`; torch's int4 kernel takes single streams on layers (or CPUs) the GEMV does not cover. CPU,
     bf16 (fp32: the AVX2 GEMV alone, `_attach_fp32_gemv`), one rank only."""
@@ -171,9 +175,9 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     fp32 = weight.dtype == torch.float32
     dtype_ok = weight.dtype == torch.bfloat16 or (fp32 and cpu_woq.avx2_gemv_available())
     eligible = weight.device.type == "cpu" and dtype_ok and tp_size == 1
-    if quantization == "int4" and not eligible:
+    if quantization in ("int4", "w4a8") and not eligible:
         raise ValueError(
-            "quantization='int4' needs the CPU, dtype bfloat16 (or float32 on a CPU with AVX2) and "
+            f"quantization={quantization!r} needs the CPU, dtype bfloat16 (or float32 on a CPU with AVX2) and "
             "tensor_parallel_size 1"
         )
     if quantization == "none" or not eligible:
@@ -186,7 +190,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
         return 0
     values, packed_woq = found
     if fp32:
-        return _attach_fp32_gemv(layers, packed_woq)
+        return _attach_fp32_gemv(layers, packed_woq, int8_prompts=quantization == "w4a8")
     dense = {name: module.kernel for name, module in layers}
     with_gemv = set(packed_woq) if cpu_woq.gemv_available() else set()
     # torch's int4 copy only where the GEMV does not take the single streams (one 4-bit copy in memory, not two)
@@ -227,13 +231,13 @@ def _four_bit_weights(
     model: nn.Module, layers: list[tuple[str, nn.Module]], *, quantization: str, gguf_path: Path | None
 ) -> tuple[dict[str, Any], dict[str, WoqWeight]] | None:
     """(4-bit values by name, the kernels' packed weights by module name): a GGUF's own blocks, or with "int4"
-    each weight quantized per group of 32; None where there is neither."""
+    (or "w4a8") each weight quantized per group of 32; None where there is neither."""
     from structgen.models import int4, woq
 
     if gguf_path is not None:
         values = int4.load_gguf_int4_weights(gguf_path, model.config)
         return values, woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
-    if quantization != "int4":
+    if quantization not in ("int4", "w4a8"):
         return None
     values = {
         name: int4.quantize_int4(module.weight.float())
@@ -243,10 +247,13 @@ def _four_bit_weights(
     return values, woq.build_woq_kernels(model, values, {}, by_module=True)
 
 
-def _attach_fp32_gemv(layers: list[tuple[str, nn.Module]], packed_woq: dict[str, WoqWeight]) -> int:
-    """`attach_int4` for an fp32 model: the AVX2 kernels (fp32 in and out) on the packed blocks, 4-bit layers
-    the int8-x one for up to `GEMV_MAX_ROWS_FP32_4BIT` rows, 8-bit ones the int16-x GEMV for up to
-    `GEMV_MAX_ROWS_FP32`, the dense kernel above. No torch int4 or AMX kernel: both compute in bf16."""
+def _attach_fp32_gemv(
+    layers: list[tuple[str, nn.Module]], packed_woq: dict[str, WoqWeight], *, int8_prompts: bool
+) -> int:
+    """`attach_int4` for an fp32 model: the AVX2 GEMV (fp32 in and out) on the packed blocks for up to
+    `GEMV_MAX_ROWS_FP32` rows, with `int8_prompts` ("w4a8") the int8-x kernel on 4-bit layers up to
+    `Q8_MAX_ROWS_FP32` (prompt chunks), the dense kernel above. No torch int4 or AMX kernel: both compute in
+    bf16."""
     from structgen.kernels import cpu_woq
 
     count, four_bit = 0, 0
@@ -254,22 +261,21 @@ def _attach_fp32_gemv(layers: list[tuple[str, nn.Module]], packed_woq: dict[str,
         if name in packed_woq:
             packed = packed_woq[name]
             module.kernel = QuantizedSmallBatches(
-                gemv=cpu_woq.WoqGemv(packed),  # `woq_gemv` picks the kernel by bit width
+                gemv=cpu_woq.WoqGemv(packed),
                 int4=None,
-                woq=None,
+                woq=cpu_woq.WoqQ8(packed) if int8_prompts and packed.bits == 4 else None,  # mid-size batches
                 dense=module.kernel,
                 weight=module.weight,
-                gemv_rows=GEMV_MAX_ROWS_FP32_4BIT if packed.bits == 4 else GEMV_MAX_ROWS_FP32,
+                gemv_rows=GEMV_MAX_ROWS_FP32,
+                woq_rows=Q8_MAX_ROWS_FP32,
             )
             count += 1
-            four_bit += packed.bits == 4
+            four_bit += int8_prompts and packed.bits == 4
     logger.info(
-        "quantized kernels on %d fp32 layers: AVX2 int8-x for <= %d rows on %d 4-bit ones, int16-x GEMV for "
-        "<= %d on %d 8-bit ones",
+        "quantized kernels on %d fp32 layers: AVX2 GEMV for <= %d rows, int8-x for <= %d on %d",
         count,
-        GEMV_MAX_ROWS_FP32_4BIT,
-        four_bit,
         GEMV_MAX_ROWS_FP32,
-        count - four_bit,
+        Q8_MAX_ROWS_FP32,
+        four_bit,
     )
     return count

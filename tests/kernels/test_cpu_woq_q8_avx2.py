@@ -1,6 +1,7 @@
 """The int8-x AVX2 kernel (`csrc/cpu_woq_q8_avx2.cpp`) against its torch reference and the exact product: fp32 and
 bf16 x, row counts inside one pass of 4, across passes and across the L1 chunks of rows, one and many tiles,
-blocks of very different ranges and an all-zero one; what `woq_gemv` sends it; the launcher's casts and checks.
+blocks of very different ranges and an all-zero one; the layer kernel that calls it; the launcher's casts and
+checks.
 Runs wherever the CPU has AVX2 (AVX-512 machines too)."""
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def test_many_rows_cross_the_chunks_of_rows_and_the_threads() -> None:
 
 
 @needs_avx2
-def test_woq_gemv_sends_fp32_rows_of_4_bit_weights_here_and_8_bit_ones_to_the_int16_gemv() -> None:
+def test_the_layer_kernel_calls_it_and_woq_gemv_does_not() -> None:
+    """`WoqQ8` (an fp32 model's prompt chunks) runs this kernel; `woq_gemv` (decode) keeps x in int16 steps."""
     x = activations(3, 128, dtype=torch.float32)
-    four, eight = packed_weight(64, 128, 4), packed_weight(64, 128, 8)
-    assert torch.equal(cpu_woq.woq_gemv(x, four), cpu_woq.woq_q8_avx2(x, four))
-    assert torch.equal(cpu_woq.WoqGemv(four)(x), cpu_woq.woq_q8_avx2(x, four))
-    assert torch.equal(cpu_woq.woq_gemv(x, eight), cpu_woq.woq_gemv_avx2(x, eight))
-    # int8 steps of x are coarser than the int16 GEMV's, and not bf16's: within 2^-5 of the exact product
+    four = packed_weight(64, 128, 4)
+    assert torch.equal(cpu_woq.WoqQ8(four)(x), cpu_woq.woq_q8_avx2(x, four))
+    assert torch.equal(cpu_woq.woq_gemv(x, four), cpu_woq.woq_gemv_avx2(x, four))
+    # int8 steps of x are coarser than the int16 GEMV's: within 2^-5 of the exact product, not 2^-12
     exact = exact_product(x, four)
-    error = ((cpu_woq.woq_gemv(x, four).double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)).max()
+    error = (
+        (cpu_woq.woq_q8_avx2(x, four).double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)
+    ).max()
     assert 2**-16 < error.item() < 2**-5
 
 

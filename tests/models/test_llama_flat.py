@@ -49,13 +49,12 @@ def test_flat_forward_is_not_set_where_it_does_not_apply(architecture: str, reas
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_decode_step_gives_the_flat_forwards_logits(dtype: torch.dtype) -> None:
     """Decode steps of few rows (up to the GEMV's) run all layers in one native call, also where a sequence has
-    a few new tokens; the same kernels, the same bits. bf16 layers take the VNNI GEMV, fp32 ones the AVX2 int8-x
-    kernel (4-bit)."""
+    a few new tokens; the same kernels, the same bits. bf16 layers take the VNNI GEMV, fp32 ones the AVX2 one."""
     from structgen.kernels import cpu_woq
 
     from structgen.models.cpu_linear import (
         GEMV_MAX_ROWS,
-        GEMV_MAX_ROWS_FP32_4BIT,
+        GEMV_MAX_ROWS_FP32,
         GEMV_MAX_ROWS_WITHOUT_AMX,
         attach_int4,
         prepare_cpu_linears,
@@ -74,7 +73,7 @@ def test_native_decode_step_gives_the_flat_forwards_logits(dtype: torch.dtype) -
         return
     native = flat.native_decode
     if dtype == torch.float32:
-        rows = GEMV_MAX_ROWS_FP32_4BIT  # every projection 4-bit: the int8-x kernel's bound
+        rows = GEMV_MAX_ROWS_FP32
     else:
         rows = GEMV_MAX_ROWS if cpu_woq.amx_available() else GEMV_MAX_ROWS_WITHOUT_AMX
     assert native is not None and native.max_rows == rows

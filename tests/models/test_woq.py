@@ -159,31 +159,53 @@ def test_quantizing_an_hf_checkpoint_gives_every_kernel_the_same_weights() -> No
 
 
 @pytest.mark.skipif(not cpu_woq.avx2_gemv_available(), reason="the CPU has no AVX2 / FMA / F16C")
-def test_an_fp32_model_gets_the_gemv_for_a_few_rows_and_the_dense_kernel_above() -> None:
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
+def test_an_fp32_model_gets_the_gemv_for_decode_and_with_w4a8_int8_x_for_prompt_chunks(
+    quantization: str,
+) -> None:
     from paged_harness import random_structgen_model
 
-    from structgen.models.cpu_linear import GEMV_MAX_ROWS_FP32_4BIT, attach_int4, prepare_cpu_linears
+    from structgen.models.cpu_linear import (
+        GEMV_MAX_ROWS_FP32,
+        Q8_MAX_ROWS_FP32,
+        attach_int4,
+        prepare_cpu_linears,
+    )
 
     model = random_structgen_model(dtype=torch.float32)
     prepare_cpu_linears(model)
-    attached = attach_int4(model, quantization="int4", gguf_path=None)
+    attached = attach_int4(model, quantization=quantization, gguf_path=None)
     layers = [m for m in model.modules() if isinstance(getattr(m, "kernel", None), QuantizedSmallBatches)]
     assert attached == len(layers) > 0
+    w4a8 = quantization == "w4a8"
     assert all(
-        isinstance(m.kernel.gemv, cpu_woq.WoqGemv) and m.kernel.int4 is m.kernel.woq is None for m in layers
+        isinstance(m.kernel.gemv, cpu_woq.WoqGemv)
+        and isinstance(m.kernel.woq, cpu_woq.WoqQ8) == w4a8
+        and (m.kernel.woq is None) != w4a8
+        and m.kernel.int4 is None
+        and (m.kernel.gemv_rows, m.kernel.woq_rows) == (GEMV_MAX_ROWS_FP32, Q8_MAX_ROWS_FP32)
+        for m in layers
     )
     gen = torch.Generator().manual_seed(0)
     layer = next(m for m in layers if m.weight.shape[1] == model.config.hidden_size)
-    x = torch.randn(GEMV_MAX_ROWS_FP32_4BIT + 1, model.config.hidden_size, generator=gen)
     packed = layer.kernel.gemv.weight
-    assert packed.bits == 4 and layer.kernel.gemv_rows == GEMV_MAX_ROWS_FP32_4BIT
-    quantized = cpu_woq.woq_q8_reference(x, packed)  # what the int8-x kernel computes on what it packed
+    x = torch.randn(Q8_MAX_ROWS_FP32 + 1, model.config.hidden_size, generator=gen)
     dense = x @ layer.weight.t()
-    bound = GEMV_MAX_ROWS_FP32_4BIT
-    few, many = layer.kernel(x[:bound]), layer.kernel(x)
-    assert few.dtype == many.dtype == torch.float32
     scale = dense.abs().amax() + 1e-3
-    # up to the bound: the 4-bit weights (int8 steps of x); more: the layer's own fp32 weights
-    assert ((few - quantized[:bound]).abs() / scale).max().item() < 2**-12
-    torch.testing.assert_close(many, dense, rtol=1e-4, atol=1e-4)
-    assert ((few - dense[:bound]).abs() / scale).max().item() > 2**-12  # it did use 4 bits
+    decode, chunk, long = (
+        layer.kernel(x[:GEMV_MAX_ROWS_FP32]),
+        layer.kernel(x[: GEMV_MAX_ROWS_FP32 + 1]),
+        layer.kernel(x),
+    )
+    assert decode.dtype == chunk.dtype == long.dtype == torch.float32
+    # decode batches: the 4-bit weights with x in int16 steps; prompt chunks: with w4a8 in int8 steps, else the
+    # layer's own fp32 weights, as longer ones
+    int16_x = cpu_woq.woq_gemv_reference(x[:GEMV_MAX_ROWS_FP32], packed)
+    assert ((decode - int16_x).abs() / scale).max().item() < 2**-12
+    if w4a8:
+        int8_x = cpu_woq.woq_q8_reference(x[: GEMV_MAX_ROWS_FP32 + 1], packed)
+        assert ((chunk - int8_x).abs() / scale).max().item() < 2**-12
+    else:
+        torch.testing.assert_close(chunk, dense[: GEMV_MAX_ROWS_FP32 + 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(long, dense, rtol=1e-4, atol=1e-4)
+    assert ((decode - dense[:GEMV_MAX_ROWS_FP32]).abs() / scale).max().item() > 2**-12  # it did use 4 bits
