@@ -13,7 +13,7 @@ warm-up, and each kernel's time over the dense one's:
 - `bf16 dense`: the same in bf16, where the CPU computes bf16 natively (AVX512-BF16 or AMX);
 - `int16-x GEMV (AVX2)`: `woq_gemv_avx2`, x quantized to int16 (VPMADDWD);
 - `int8-x (AVX2)`: `woq_q8_avx2` on the 4-bit products (the lm-head stays on the int16 GEMV: 8-bit weights), x
-  quantized to int8 (VPMADDUBSW), what an fp32 model's 4-bit layers take on AVX2;
+  quantized to int8 (VPMADDUBSW), an fp32 model's prompt chunks with `--quantization w4a8`;
 - `VNNI GEMV`: `woq_gemv` on bf16 x, where the CPU has AVX512-VNNI.
 
 The defaults are SmolLM2-135M's (fused qkv, o, fused gate_up, down; 30 layers) at the row counts of a single
