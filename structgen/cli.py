@@ -13,6 +13,7 @@ from structgen.commands import validate as validate_command
 from structgen.commands.engine_args import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
 from structgen.commands.engine_args import add_engine_args, engine_config, model_name, set_threads
 from structgen.commands.lora_flags import lora_modules
+from structgen.config import QUANTIZATION_CHOICES
 
 # `structgen.server.limits.DEFAULT_RESPONSES_STORE_SIZE` (a test keeps them equal): importing the server for
 # `--help` would cost seconds.
@@ -33,7 +34,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "int4", "w4a8", "none"],
+        choices=QUANTIZATION_CHOICES,
         help="weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): auto (a GGUF's own 4-bit "
         "blocks, as the default model's), int4 (also quantize HF checkpoints), w4a8 (int4, and an fp32 model's "
         "prompts with int8 activations: ~0.7x their time, outputs no longer the exact product's), none",

@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from structgen.structured.manager import StructuredOutputConfig
 
+# Weight quantization on the CPU (`structgen.models.cpu_linear.attach_int4`): "auto" (a GGUF's own 4-bit blocks),
+# "int4" (also HF checkpoints), "w4a8" ("int4", and an fp32 model's prompt chunks with int8 activations), "none".
+QUANTIZATION_CHOICES = ("auto", "int4", "w4a8", "none")
+
 
 @dataclass(slots=True, kw_only=True)
 class CacheConfig:
@@ -82,8 +86,9 @@ class SpeculativeConfig:
             )
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f'"model" is the draft_model method\'s draft; method {self.method!r} takes none')
-        if self.quantization not in ("auto", "int4", "w4a8", "none"):
-            raise ValueError(f"quantization must be one of auto, int4, w4a8, none; got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            choices = ", ".join(QUANTIZATION_CHOICES)
+            raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
@@ -217,5 +222,6 @@ class EngineConfig:
                 raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.lora is not None and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet")
-        if self.quantization not in ("auto", "int4", "w4a8", "none"):
-            raise ValueError(f"quantization must be one of auto, int4, w4a8, none; got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            choices = ", ".join(QUANTIZATION_CHOICES)
+            raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")

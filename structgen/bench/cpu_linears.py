@@ -72,25 +72,19 @@ def _int8_x(product: _Product, x: torch.Tensor) -> Any:
     return cpu_woq.woq_gemv_avx2(x, product.packed)
 
 
-def _kernels(
-    products: list[_Product],
-) -> dict[str, tuple[torch.dtype, Callable[[_Product, torch.Tensor], Any]]]:
+def _kernels(*, native_bf16: bool) -> dict[str, tuple[torch.dtype, Callable[[_Product, torch.Tensor], Any]]]:
     """name -> (x's dtype, one product), for the kernels this CPU runs."""
     from structgen.kernels import cpu_woq
-    from structgen.models.loader import resolve_dtype
 
     kernels: dict[str, tuple[torch.dtype, Callable[[_Product, torch.Tensor], Any]]] = {
         "fp32 dense": (torch.float32, lambda p, x: p.dense_fp32(x)),
     }
-    if products[0].dense_bf16 is not None:
+    if native_bf16:
         kernels["bf16 dense"] = (torch.bfloat16, lambda p, x: p.dense_bf16(x))  # type: ignore[misc]
     if cpu_woq.avx2_gemv_available():
         kernels["int16-x GEMV (AVX2)"] = (torch.float32, lambda p, x: cpu_woq.woq_gemv_avx2(x, p.packed))
         kernels["int8-x (AVX2)"] = (torch.float32, _int8_x)
-    if (
-        cpu_woq.gemv_available()
-        and resolve_dtype("auto", checkpoint_dtype=None, device="cpu") == torch.bfloat16
-    ):
+    if native_bf16 and cpu_woq.gemv_available():
         kernels["VNNI GEMV"] = (torch.bfloat16, lambda p, x: cpu_woq.woq_gemv(x, p.packed))
     return kernels
 
@@ -107,16 +101,17 @@ def measure(
         )
     native_bf16 = resolve_dtype("auto", checkpoint_dtype=None, device="cpu") == torch.bfloat16
     products = _products(shapes, bf16=native_bf16, seed=seed)
-    kernels = _kernels(products)
+    kernels = _kernels(native_bf16=native_bf16)
     gen = torch.Generator().manual_seed(seed + 1)
     in_features = sorted({k for _, k, _ in shapes})
     table: dict[str, dict[str, float]] = {}
     for count in rows:
         xs = {k: torch.randn(count, k, generator=gen) for k in in_features}
+        by_dtype = {dtype: {k: x.to(dtype) for k, x in xs.items()} for dtype, _ in kernels.values()}
         times = {name: float("inf") for name in kernels}
         for run in range(repeats + 1):  # the kernels interleaved, each one's best kept; run 0 warms up
             for name, (dtype, product) in kernels.items():
-                inputs = {k: x.to(dtype) for k, x in xs.items()}
+                inputs = by_dtype[dtype]
                 start = time.perf_counter()
                 for p in products:
                     product(p, inputs[p.packed.in_features])

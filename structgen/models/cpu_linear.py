@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from structgen.config import QUANTIZATION_CHOICES
 from structgen.models.linear import kernel_layers
 
 if TYPE_CHECKING:
@@ -125,9 +126,6 @@ GEMV_MAX_ROWS_FP32 = 256
 # (16 of those 20 prompts diverged, some at the first token). Up to the default token budget of a forward
 # (`max_num_batched_tokens`); larger chunks, unmeasured, stay dense.
 Q8_MAX_ROWS_FP32 = 2048
-
-# "w4a8": "int4"'s weights, and on fp32 models (AVX2) x in int8 steps for prompt chunks (`Q8_MAX_ROWS_FP32`).
-QUANTIZATION_CHOICES = ("auto", "int4", "w4a8", "none")
 
 
 @dataclass(slots=True)
