@@ -42,7 +42,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per sampled token (0 = only the sampled token's own)
-    prompt_logprobs: None = None  # not supported yet
+    # Logprobs of the prompt's own tokens (each given the tokens before it) and this many alternatives per
+    # position: 0 = only the prompt token's own. Costs a logits row per prompt token and bypasses the prefix
+    # cache for the request's first prefill (cached blocks have no hidden states to score).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # JSON Schema / json_object / regex / grammar / choice constraint (structgen.structured).
@@ -90,8 +93,12 @@ class SamplingParams:
         if self.thinking_token_budget is not None:
             _check_int("thinking_token_budget", self.thinking_token_budget, low=0, what=">= 0 or None")
         if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not supported yet; leave it None (got {self.prompt_logprobs!r})"
+            _check_int(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                low=0,
+                high=MAX_LOGPROBS,
+                what=f"in [0, {MAX_LOGPROBS}] or None",
             )
 
     @property

@@ -100,7 +100,9 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
         ({"ignore_eos": "yes"}, r"ignore_eos must be a bool"),
         ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
         ({"logprobs": -1}, r"logprobs must be in \[0, 20\]"),
-        ({"prompt_logprobs": 1}, r"prompt_logprobs is not supported yet"),
+        ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs must be in \[0, 20\]"),
+        ({"prompt_logprobs": True}, r"prompt_logprobs must be an integer"),
     ],
 )
 def test_invalid_values_name_the_field_and_range(kwargs: dict, message: str) -> None:

@@ -22,6 +22,7 @@ from structgen.engine.block_manager import cdiv
 from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
 from structgen.engine.host_memory import keep_freed_memory
 from structgen.engine.narrow_logits import NARROW_LIMIT, narrow_logits, supports_narrow_logits
+from structgen.engine.prompt_logprobs import prompt_spans, score_prompts
 from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
 from structgen.engine.scheduler import SchedulerOutput
@@ -213,6 +214,12 @@ class ModelRunner:
         if self.step_sender is not None:
             self.step_sender(StepInput(input_ids, positions, metadata, index, batch.blocks_to_copy))
         hidden = self._forward(input_ids, positions, metadata)
+        score_prompts(
+            hidden,
+            prompt_spans(batch.seqs, batch.num_new_tokens),
+            self.model.compute_logits,  # type: ignore[arg-type]
+            num_valid_tokens=self.num_valid_tokens,
+        )
         if not batch.sample_seqs:
             self.spec_logits = {}
             return SamplerOutput(token_ids=[]), []

@@ -314,7 +314,14 @@ class OutputProcessor:
             finished=request.finished,
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
+            prompt_logprobs=_prompt_logprobs(request.seqs[0]),
         )
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+    """The first sample's prompt logprobs once every prompt token is scored (its forks share its prompt)."""
+    scores = seq.prompt_logprobs
+    return list(scores) if scores is not None and not seq.scores_prompt else None
 
 
 def _answer_ids(seq: Sequence) -> list[int]:

@@ -13,11 +13,14 @@ from structgen.engine.metrics import RequestMetrics
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The log-probability of one sampled token, and the `logprobs` most likely alternatives at that step."""
+    """The log-probability of one token (sampled, or a prompt token given those before it), and the `logprobs`
+    (or `prompt_logprobs`) most likely alternatives at that position. `rank`: the token's place in the model's
+    distribution there (1 = most likely), known for prompt tokens."""
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +87,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first (nothing precedes
+    # it); set once the whole prompt has run, on every output from then on. None when not asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __repr__(self) -> str:
         texts = [(o.index, o.text, o.finish_reason) for o in self.outputs]

@@ -166,7 +166,7 @@ class Scheduler:
             if len(self.running) + len(forked) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             watermark = self._watermark_blocks if self.running else 0
-            cached = bm.find_cached_prefix(seq)
+            cached = bm.find_cached_prefix(seq) if not seq.scores_prompt else CachedPrefix([])
             num_new = self._prefill_fits(cached, seq, budget, watermark)
             if num_new is None and cached.partial_tokens:
                 # Reusing a block in part costs its copy: where the pool is too small for that (a prompt that

@@ -80,6 +80,7 @@ class Sequence:
         "output_text",
         "output_token_ids",
         "params",
+        "prompt_logprobs",
         "prompt_token_ids",
         "ready",
         "reasoning",
@@ -133,6 +134,9 @@ class Sequence:
         self.num_sent_chars = 0
         self.logprobs: list[Any] | None = None
         self.cumulative_logprob = 0.0
+        # With `params.prompt_logprobs`: the prompt tokens scored so far (`structgen.engine.prompt_logprobs`),
+        # starting with None for the first token, which nothing precedes. Filled by the model runner.
+        self.prompt_logprobs: list[Any] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -166,6 +170,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens still wait for their logprobs: the prefill must compute them all, so the prefix
+        cache is not read for it (cached blocks come without the hidden states that score them)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefill_done(self) -> bool:

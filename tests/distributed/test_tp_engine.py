@@ -95,3 +95,10 @@ def test_sampling_with_a_seed_matches_the_unsharded_model(tp1: LLMEngine, tp2: L
 def test_a_second_tp_engine_in_the_same_process_is_refused(tp2: LLMEngine) -> None:
     with pytest.raises(TensorParallelError, match="one tensor-parallel engine per process"):
         LLMEngine(_config(2))
+
+
+def test_prompt_logprobs_are_refused_under_tp2_and_the_engine_goes_on(tp1: LLMEngine, tp2: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
+        tp2.add_request("scored", PROMPTS[0], SamplingParams(prompt_logprobs=1))
+    assert not tp2.has_unfinished()
+    assert greedy_tokens(tp2) == greedy_tokens(tp1)

@@ -1,0 +1,115 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`): how likely the model found each prompt token given the
+tokens before it, scored from the hidden states the prefill computes anyway.
+
+The hidden state at position p gives the distribution of token p + 1, so a prefill chunk over positions
+[start, end) scores prompt tokens start + 1 .. end (the last prompt position predicts the first output token,
+which is sampled, not scored). Entries are appended to `Sequence.prompt_logprobs` in prompt order; a chunk that
+covers positions already scored (a preempted sequence recomputing its prompt) scores nothing again.
+
+Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk of a 49k vocabulary would be
+400 MB of float32 for numbers reduced at once to a few per row. Like the sampled tokens' logprobs
+(`structgen.engine.logprobs`) they are the raw model distribution: no temperature, penalties or mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from structgen.engine.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from structgen.engine.sequence import Sequence
+
+# Rows of logits computed at a time (256 x 49,152 float32 = 48 MiB).
+PROMPT_LOGITS_CHUNK = 256
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """Prompt tokens of one sequence scored this step: `count` tokens from prompt index `first`, whose
+    predicting hidden states are the batch's rows `row`, `row + 1`, ..."""
+
+    seq: Sequence
+    row: int
+    first: int
+    count: int
+
+
+def prompt_spans(seqs: list[Sequence], num_new_tokens: list[int]) -> list[PromptSpan]:
+    """The spans of this step's batch (flattened in `seqs` order) that score prompt tokens not yet scored."""
+    spans = []
+    row = 0
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        scores = seq.prompt_logprobs
+        if scores is not None and len(scores) < seq.num_prompt_tokens:
+            start = seq.num_computed_tokens
+            # Position p scores token p + 1; entries 0 .. len(scores) - 1 exist already.
+            low = max(start, len(scores) - 1)
+            high = min(start + n, seq.num_prompt_tokens - 1)
+            if low < high:
+                spans.append(PromptSpan(seq, row + low - start, low + 1, high - low))
+        row += n
+    return spans
+
+
+def score_prompts(
+    hidden: torch.Tensor,
+    spans: list[PromptSpan],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    num_valid_tokens: int,
+) -> None:
+    """Append each span's `TokenLogprob`s (logprob, rank, the `prompt_logprobs` best alternatives) to its
+    sequence's `prompt_logprobs`, in prompt order."""
+    if not spans:
+        return
+    rows: list[int] = []
+    targets: list[int] = []
+    wanted: list[int] = []
+    owners: list[Sequence] = []
+    for span in spans:
+        k = span.seq.params.prompt_logprobs or 0  # type: ignore[union-attr]
+        rows.extend(range(span.row, span.row + span.count))
+        targets.extend(span.seq.token_ids[span.first : span.first + span.count])
+        wanted.extend([k] * span.count)
+        owners.extend([span.seq] * span.count)
+    device = hidden.device
+    for begin in range(0, len(rows), PROMPT_LOGITS_CHUNK):
+        end = min(begin + PROMPT_LOGITS_CHUNK, len(rows))
+        index = torch.tensor(rows[begin:end], dtype=torch.long, device=device)
+        target = torch.tensor(targets[begin:end], dtype=torch.long, device=device).unsqueeze(1)
+        logits = compute_logits(hidden.index_select(0, index))
+        if num_valid_tokens < logits.shape[1]:
+            logits[:, num_valid_tokens:] = float("-inf")  # padding rows of the embedding: never tokens
+        entries = _score(logits, target, max(wanted[begin:end]))
+        for j, (logprob, rank, top) in enumerate(entries):
+            k = wanted[begin + j]
+            owners[begin + j].prompt_logprobs.append(  # type: ignore[union-attr]
+                TokenLogprob(targets[begin + j], logprob, top[:k], rank)
+            )
+
+
+def _score(
+    logits: torch.Tensor, target: torch.Tensor, k: int
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """(the target's logprob, its rank, the k best (token, logprob) pairs) per row of float32 `logits`."""
+    top = logits.amax(dim=1, keepdim=True)
+    log_norm = (logits - top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
+    target_logit = logits.gather(1, target)
+    # Rank as vLLM counts it: 1 + the tokens strictly more likely (ties share the better rank).
+    ranks = (logits > target_logit).sum(dim=1).add_(1).tolist()
+    logprobs = (target_logit - log_norm).squeeze(1).tolist()
+    if k == 0:
+        return [(lp, r, []) for lp, r in zip(logprobs, ranks, strict=True)]
+    values, ids = logits.topk(min(k, logits.shape[1]), dim=1)
+    values = (values - log_norm).tolist()
+    ids = ids.tolist()
+    return [
+        (lp, r, [(t, v) for t, v in zip(i, vs, strict=True) if v != -math.inf])
+        for lp, r, i, vs in zip(logprobs, ranks, ids, values, strict=True)
+    ]
