@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from structgen.engine.async_engine import EngineDeadError
-from structgen.engine.outputs import CompletionOutput, RequestOutput
+from structgen.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from structgen.lora import LoRAError, LoRARequest
 from structgen.sampling_params import SamplingParams
-from structgen.server import protocol as p
+from structgen.server import answers as a
 from structgen.server.context import ServerContext
 from structgen.server.errors import APIError
 from structgen.server.lifecycle import Ticket
@@ -45,7 +45,7 @@ class Call:
         # An engine with a reasoning parser reports the tokens spent reasoning in every usage.
         self.reports_reasoning = getattr(ctx.engine.engine, "reasoning_parser", None) is not None
 
-    def finish(self, prompt_tokens: int, finals: list[CompletionOutput]) -> p.Usage:
+    def finish(self, prompt_tokens: int, finals: list[CompletionOutput]) -> a.Usage:
         """The usage of the finished outputs; notes them for the request log and the metrics."""
         completion_tokens = sum(len(o.token_ids) for o in finals)
         self.state.usage = (prompt_tokens, completion_tokens)
@@ -53,8 +53,8 @@ class Call:
         details = None
         if self.reports_reasoning:
             reasoning_tokens = sum(o.num_reasoning_tokens for o in finals)
-            details = p.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
-        return p.Usage(
+            details = a.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return a.Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
@@ -195,6 +195,14 @@ async def collect(call: Call, started: list[Started], n: int) -> tuple[list[Comp
 
 def prompt_tokens(started: list[Started]) -> int:
     return sum(len(first.prompt_token_ids) for _, first in started)
+
+
+def scored_prompt(first: RequestOutput) -> list[TokenLogprob | None]:
+    """The prompt's logprobs (`SamplingParams.prompt_logprobs`). The engine sets them on every output once the
+    prompt has run, so on a request's first: it reports only after a step that produced a token."""
+    if first.prompt_logprobs is None:
+        raise APIError(500, "the engine returned no prompt logprobs", code="internal_error")
+    return first.prompt_logprobs
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

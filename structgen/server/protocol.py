@@ -1,18 +1,17 @@
-"""Request and response bodies of the OpenAI API (plus vLLM's extra request fields), as pydantic models.
+"""Request bodies of the OpenAI API (plus vLLM's extra request fields), as pydantic models; the response bodies
+are in `answers.py`.
 
 Requests ignore unknown fields, as OpenAI does; each knows how to become `SamplingParams` so the routes stay
-about HTTP. Responses are built with these models and dumped to JSON.
+about HTTP.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
-from structgen.engine.outputs import CompletionOutput
 from structgen.sampling_params import SamplingParams
 from structgen.server.errors import APIError
 from structgen.server.structured_request import resolve_structured, structured_options
@@ -23,6 +22,7 @@ MAX_TEMPERATURE = 2.0
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
+MAX_PROMPT_LOGPROBS = 20  # vLLM's `prompt_logprobs`, held to the engine's limit (`SamplingParams`)
 # OpenAI's default `max_tokens` for text completions (chat has none: the server's `max_tokens_default` caps it).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -70,6 +70,9 @@ class _SamplingFields(SamplingExtras):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: the logprob of each prompt token given those before it, with this many alternatives per position,
+    # answered in vLLM's shape (`logprobs_body.vllm_prompt_logprobs`). Not streamed, as in vLLM.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def structured_options(self) -> dict[str, Any]:
         """The options of `structured_outputs` (budget closing, loop guard, whitespace, strict), checked."""
@@ -95,10 +98,17 @@ class _SamplingFields(SamplingExtras):
         response_format: dict[str, Any] | None,
         logprobs: int | None,
         *,
+        prompt_logprobs: int | None = None,
         has_tools: bool = False,
         thinking_token_budget: int | None = None,
     ) -> SamplingParams:
-        """The engine's view of this request; a bad value is a 400 that names the field."""
+        """The engine's view of this request; a bad value is a 400 that names the field. `prompt_logprobs`: what
+        the engine computes for the prompt (the request's own field, or more for completions' `echo`)."""
+        if self.stream and self.prompt_logprobs is not None:
+            # vLLM's refusal: a stream has no place for them (its chunks carry no prompt_logprobs field).
+            raise APIError(
+                400, "prompt_logprobs is not available when stream is enabled", param="prompt_logprobs"
+            )
         try:
             optional = {
                 "temperature": self.temperature,
@@ -116,6 +126,7 @@ class _SamplingFields(SamplingExtras):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 min_tokens=self.min_tokens,
                 structured_outputs=self._structured(response_format, has_tools=has_tools),
                 thinking_token_budget=thinking_token_budget,
@@ -202,6 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
             max_tokens,
             self.response_format,
             logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             has_tools=has_tools,
             thinking_token_budget=self.thinking_token_budget,
         )
@@ -209,17 +221,31 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    # 0 only with `echo` (`scores_prompt_only`), as OpenAI's legacy API and vLLM allow.
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
 
+    @property
+    def scores_prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the answer is the prompt and (with `logprobs`) its logprobs, nothing
+        generated (how lm-evaluation-harness scores a text). See `echo.prompt_only`."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            # Echoed prompt tokens would need prompt logprobs, which the engine does not compute.
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens must be at least 1 (0 is allowed with echo only)", param="max_tokens"
+            )
         # `null` is OpenAI's default too, never "until the context is full" (which vLLM reads it as).
         max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return self._sampling_params(max_tokens, None, self.logprobs)
+        if self.scores_prompt_only:
+            max_tokens = 1  # the engine always generates: the route drops this token (`echo.prompt_only`)
+        # Echoed tokens carry logprobs as the sampled ones do: the engine scores the prompt with enough
+        # alternatives for both the legacy object and vLLM's `prompt_logprobs`.
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(wanted) if wanted else None
+        return self._sampling_params(max_tokens, None, self.logprobs, prompt_logprobs=prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -228,156 +254,6 @@ class CompletionRequest(_SamplingFields):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return list(prompt)  # type: ignore[arg-type]
-
-
-# -- responses ------------------------------------------------------------------------------------------------
-
-
-class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int  # output tokens spent before the answer (the reasoning and its markers)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    # Only where the engine has a reasoning parser; left out (not null) elsewhere, so a server without one keeps
-    # the usage shape it always had.
-    completion_tokens_details: CompletionTokensDetails | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_empty_details(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if data.get("completion_tokens_details", 0) is None:
-            del data["completion_tokens_details"]
-        return data
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "structgen"
-    # vLLM's: what the model was loaded from (a LoRA adapter's directory), and the model an adapter applies to.
-    root: str | None = None
-    parent: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: None = None
-    # None (sent as null, which the `openai` SDK reads as no tool calls) unless the model called tools.
-    tool_calls: list[dict[str, Any]] | None = None
-    # With a reasoning parser: what the model reasoned before `content` (markers left out), under vLLM's newer
-    # name and DeepSeek's older one, which clients read; null when the output had no reasoning phase, or with
-    # `include_reasoning: false`.
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-
-class StructuredInfo(BaseModel):
-    """How a structured choice was served (the engine's `StructuredReport`): the grammar backend, the serving
-    path (exact / rewritten / restricted / relaxed), whether the output validates, the resamples it took,
-    whether it was closed at the budget (steered onto its shortest valid completion as `max_tokens` or the
-    context ran out: it finished "stop" where it would have been cut) and how many looping values the loop
-    guard ended, and how many of its tokens the grammar forced (jump-forward: appended without sampling, part of
-    `usage.completion_tokens`). An extension of OpenAI's shape: SDKs keep it as an extra field."""
-
-    backend: str | None
-    path: str | None
-    valid: bool | None
-    retries: int
-    closed_at_budget: bool
-    loops_ended: int
-    forced_tokens: int = 0
-
-    @classmethod
-    def of(cls, output: CompletionOutput) -> StructuredInfo | None:
-        """The report of a structured output; None for an unconstrained one."""
-        report = output.structured
-        if report is None:
-            return None
-        return cls(
-            backend=report.backend,
-            path=report.path,
-            valid=report.valid,
-            retries=report.retries,
-            closed_at_budget=report.closed_at_budget,
-            loops_ended=report.loops_ended,
-            forced_tokens=report.forced_tokens,
-        )
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None
-    structured: StructuredInfo | None = None  # null for unconstrained requests
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    refusal: None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    # A reasoning delta, under both names as on `AssistantMessage`; the keys are left out of other chunks.
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    # Only on the chunk carrying a structured choice's finish_reason (`streaming.py` drops the key elsewhere).
-    structured: StructuredInfo | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None
-    # Null for unconstrained requests; in a stream, only on the chunk that finishes the choice (`ChatChunkChoice`).
-    structured: StructuredInfo | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 def new_id(prefix: str) -> str:

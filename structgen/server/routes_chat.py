@@ -17,13 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from structgen.engine.outputs import CompletionOutput
+from structgen.server import answers as a
 from structgen.server import protocol as p
 from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
-from structgen.server.generation import Call, Started
+from structgen.server.generation import Call, Started, scored_prompt
 from structgen.server.limits import with_default_max_tokens
-from structgen.server.logprobs_body import chat_logprobs
+from structgen.server.logprobs_body import chat_logprobs, vllm_prompt_logprobs
 from structgen.server.openapi import generation_responses
 from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import chat_chunks
@@ -38,12 +39,12 @@ ChunkRewriter = Callable[[Call, list[Started], ChunkStream], ChunkStream]
 class ChatAnswer:
     """A finished chat request: the completion chat answers with, and what other APIs read beyond it."""
 
-    completion: p.ChatCompletion
+    completion: a.ChatCompletion
     started: list[Started]  # the first output of each engine request (prefix-cache hits, prompts)
 
 
 def add_chat_route(router: APIRouter, ctx: ServerContext) -> None:
-    @router.post("/chat/completions", response_model=None, responses=generation_responses(p.ChatCompletion))
+    @router.post("/chat/completions", response_model=None, responses=generation_responses(a.ChatCompletion))
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Any:
         answer = await run_chat(ctx, request, body, request_id=p.new_id("chatcmpl"))
         return answer if isinstance(answer, StreamingResponse) else answer.completion
@@ -91,28 +92,38 @@ async def run_chat(
     if not isinstance(result, Finished):
         return result
     choices = [
-        p.ChatChoice(
+        a.ChatChoice(
             index=i,
             message=with_reasoning(tools.message(o), o, include=body.include_reasoning),
             logprobs=chat_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
             finish_reason=tools.finish_reason(o),
-            structured=p.StructuredInfo.of(o),
+            structured=a.StructuredInfo.of(o),
         )
         for i, o in enumerate(result.outputs)
     ]
-    completion = p.ChatCompletion(
+    completion = a.ChatCompletion(
         id=result.call.id,
         created=result.call.created,
         model=result.call.model,
         choices=choices,
         usage=result.call.finish(result.prompt_tokens, result.outputs),
+        prompt_logprobs=_prompt_logprobs(ctx, body, result.started),
     )
     return ChatAnswer(completion, result.started)
 
 
+def _prompt_logprobs(
+    ctx: ServerContext, body: p.ChatCompletionRequest, started: list[Started]
+) -> a.PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of the one prompt a chat request has (the rendered conversation)."""
+    if body.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(ctx.tokenizer, scored_prompt(started[0][1]), top=body.prompt_logprobs)
+
+
 def with_reasoning(
-    message: p.AssistantMessage, output: CompletionOutput, *, include: bool
-) -> p.AssistantMessage:
+    message: a.AssistantMessage, output: CompletionOutput, *, include: bool
+) -> a.AssistantMessage:
     """`message` with the output's reasoning under both names (tool calls and content come from the answer
     alone: the engine keeps the reasoning out of `text`)."""
     if include and output.reasoning is not None:

@@ -1,4 +1,5 @@
-"""`POST /v1/completions` (the legacy text completions API), `echo` included."""
+"""`POST /v1/completions` (the legacy text completions API): `echo` (with the prompt's logprobs, and `max_tokens: 0`
+to score a prompt, `echo.py`) and vLLM's `prompt_logprobs` included."""
 
 from __future__ import annotations
 
@@ -6,25 +7,32 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from structgen.engine.outputs import CompletionOutput
+from structgen.server import answers as a
 from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.dispatch import Finished, dispatch
-from structgen.server.generation import Call, Started
-from structgen.server.logprobs_body import completion_logprobs
+from structgen.server.echo import Echo
+from structgen.server.generation import Call, Started, scored_prompt
+from structgen.server.logprobs_body import (
+    completion_logprobs,
+    joined_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from structgen.server.openapi import generation_responses
 from structgen.server.routes_models import resolve_model
 from structgen.server.streaming import completion_chunks
 
 
 def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
-    @router.post("/completions", response_model=None, responses=generation_responses(p.Completion))
+    @router.post("/completions", response_model=None, responses=generation_responses(a.Completion))
     async def completions(body: p.CompletionRequest, request: Request) -> Any:
         lora_request = resolve_model(ctx, body.model)
         params = body.to_sampling_params()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def events(call: Call, started: list[Started]) -> Any:
-            echo = _prompt_texts(ctx, started) if body.echo else None
+            echo = Echo.of(ctx.tokenizer, body, started, params.n)
             return completion_chunks(call, started, params.n, include_usage, echo)
 
         # A raw completion continues the prompt as it is: there is no chat turn for a reasoning phase to open, so
@@ -42,29 +50,43 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
         )
         if not isinstance(result, Finished):
             return result
-        echo = _prompt_texts(ctx, result.started) if body.echo else None
-        choices = [
-            p.CompletionChoice(
-                index=i,
-                text=(echo[i // params.n] if echo is not None else "") + o.text,
-                logprobs=completion_logprobs(ctx.tokenizer, o.logprobs) if o.logprobs is not None else None,
-                finish_reason=o.finish_reason,
-                structured=p.StructuredInfo.of(o),
-            )
-            for i, o in enumerate(result.outputs)
+        echo = Echo.of(ctx.tokenizer, body, result.started, params.n)
+        outputs = [echo.output(o) for o in result.outputs] if echo is not None else result.outputs
+        prompt_logprobs = [
+            vllm_prompt_logprobs(ctx.tokenizer, scored_prompt(first), top=body.prompt_logprobs)
+            if body.prompt_logprobs is not None
+            else None
+            for _, first in result.started
         ]
-        return p.Completion(
+        choices = [
+            a.CompletionChoice(
+                index=i,
+                text=(echo.text(i) if echo is not None else "") + o.text,
+                logprobs=_logprobs(ctx, o, echo, i),
+                finish_reason=o.finish_reason,
+                structured=a.StructuredInfo.of(o),
+                prompt_logprobs=prompt_logprobs[i // params.n],
+            )
+            for i, o in enumerate(outputs)
+        ]
+        return a.Completion(
             id=result.call.id,
             created=result.call.created,
             model=result.call.model,
             choices=choices,
-            usage=result.call.finish(result.prompt_tokens, result.outputs),
+            usage=result.call.finish(result.prompt_tokens, outputs),
         )
 
 
-def _prompt_texts(ctx: ServerContext, started: list[Started]) -> list[str]:
-    """Each prompt as text (token prompts decoded), for `echo`."""
-    return [
-        first.prompt if first.prompt is not None else ctx.tokenizer.decode(first.prompt_token_ids)
-        for _, first in started
-    ]
+def _logprobs(
+    ctx: ServerContext, output: CompletionOutput, echo: Echo | None, choice: int
+) -> dict[str, Any] | None:
+    """The choice's legacy `logprobs` object: the echoed prompt's tokens (offsets from the text's start), then
+    the sampled ones (offsets after the prompt's text)."""
+    if output.logprobs is None:
+        return None
+    if echo is None:
+        return completion_logprobs(ctx.tokenizer, output.logprobs)
+    sampled = completion_logprobs(ctx.tokenizer, output.logprobs, offset=len(echo.text(choice)))
+    prompt = echo.prompt_logprobs(choice)
+    return joined_completion_logprobs(prompt, sampled) if prompt is not None else sampled

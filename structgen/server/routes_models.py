@@ -13,6 +13,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
 from structgen.lora import LoRAError, LoRARequest
+from structgen.server import answers as a
 from structgen.server import protocol as p
 from structgen.server.context import ServerContext
 from structgen.server.errors import APIError
@@ -52,17 +53,17 @@ def add_model_routes(router: APIRouter, ctx: ServerContext) -> None:
     engine = ctx.engine
 
     @router.get("/models")
-    async def models() -> p.ModelList:
-        cards = [p.ModelCard(id=ctx.model_name, root=ctx.model_name)]
+    async def models() -> a.ModelList:
+        cards = [a.ModelCard(id=ctx.model_name, root=ctx.model_name)]
         cards += [
-            p.ModelCard(
+            a.ModelCard(
                 id=served.name,
                 root=served.adapter.path,
                 parent=served.request.base_model_name or ctx.model_name,
             )
             for served in engine.list_loras()
         ]
-        return p.ModelList(data=cards)
+        return a.ModelList(data=cards)
 
     @router.post("/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:

@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from structgen.engine.outputs import CompletionOutput
-from structgen.server import protocol as p
+from structgen.server import answers as a
+from structgen.server.echo import Echo
 from structgen.server.errors import APIError, error_body
 from structgen.server.generation import Call, Started, outputs, prompt_tokens
 from structgen.server.logprobs_body import chat_logprobs, completion_logprobs
@@ -77,22 +78,22 @@ async def chat_chunks(
 
     def chunk(
         index: int,
-        delta: p.ChatDelta,
+        delta: a.ChatDelta,
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
-        structured: p.StructuredInfo | None = None,
+        structured: a.StructuredInfo | None = None,
     ) -> dict[str, Any]:
-        choice = p.ChatChunkChoice(
+        choice = a.ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs, structured=structured
         )
         return _lean(
-            p.ChatCompletionChunk(
+            a.ChatCompletionChunk(
                 id=call.id, created=call.created, model=call.model, choices=[choice]
             ).model_dump()
         )
 
     for index in range(n * len(started)):
-        yield chunk(index, p.ChatDelta(role="assistant", content=""))
+        yield chunk(index, a.ChatDelta(role="assistant", content=""))
     finals: dict[int, CompletionOutput] = {}
     sent: dict[int, int] = {}  # logprob entries already sent, per choice
     async for index, o in _choice_outputs(call, started, n):
@@ -107,24 +108,24 @@ async def chat_chunks(
             # only. Entries of an answer whose text is still held back wait for it.
             if reasoning or thinking:
                 delta = (
-                    p.ChatDelta(reasoning=reasoning, reasoning_content=reasoning)
+                    a.ChatDelta(reasoning=reasoning, reasoning_content=reasoning)
                     if reasoning
-                    else p.ChatDelta()
+                    else a.ChatDelta()
                 )
                 yield chunk(index, delta, logprobs=_chat_logprobs(call, thinking))
             sent[index] = start + len(thinking or ())
             if o.delta_text:
-                yield chunk(index, p.ChatDelta(content=o.delta_text), logprobs=_chat_logprobs(call, answer))
+                yield chunk(index, a.ChatDelta(content=o.delta_text), logprobs=_chat_logprobs(call, answer))
                 sent[index] += len(answer or ())
         if o.finished:
             rest = o.logprobs[sent.get(index, 0) :] if o.logprobs is not None else []
             logprobs = chat_logprobs(call.tokenizer, rest) if rest else None
             yield chunk(
-                index, p.ChatDelta(), o.finish_reason, logprobs=logprobs, structured=p.StructuredInfo.of(o)
+                index, a.ChatDelta(), o.finish_reason, logprobs=logprobs, structured=a.StructuredInfo.of(o)
             )
     usage = call.finish(prompt_tokens(started), list(finals.values()))
     if include_usage:
-        yield p.ChatCompletionChunk(
+        yield a.ChatCompletionChunk(
             id=call.id, created=call.created, model=call.model, choices=[], usage=usage
         ).model_dump()
 
@@ -146,31 +147,34 @@ def _chat_logprobs(call: Call, entries: list[Any] | None) -> dict[str, Any] | No
 
 
 async def completion_chunks(
-    call: Call, started: list[Started], n: int, include_usage: bool, echo: list[str] | None = None
+    call: Call, started: list[Started], n: int, include_usage: bool, echo: Echo | None = None
 ) -> AsyncIterator[dict[str, Any]]:
-    """Text completion chunks; with `echo` (one text per prompt) each choice starts with its prompt."""
+    """Text completion chunks; with `echo` each choice starts with a chunk of its prompt (and the prompt's
+    logprobs), and the offsets of its sampled tokens' logprobs count from after the prompt's text."""
 
     def chunk(
         index: int,
         text: str,
         logprobs: Any = None,
         finish_reason: str | None = None,
-        structured: p.StructuredInfo | None = None,
+        structured: a.StructuredInfo | None = None,
     ) -> dict[str, Any]:
-        choice = p.CompletionChoice(
+        choice = a.CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, structured=structured
         )
         return _lean(
-            p.Completion(id=call.id, created=call.created, model=call.model, choices=[choice]).model_dump(
+            a.Completion(id=call.id, created=call.created, model=call.model, choices=[choice]).model_dump(
                 exclude={"usage"}
             )
         )
 
     for index in range(n * len(started)) if echo is not None else ():
-        yield chunk(index, echo[index // n])
+        yield chunk(index, echo.text(index), echo.prompt_logprobs(index))
     finals: dict[int, CompletionOutput] = {}
     sent: dict[int, int] = {}  # logprob entries already sent, per choice
     async for index, o in _choice_outputs(call, started, n):
+        if echo is not None:
+            o = echo.output(o)
         if o.finished:
             finals[index] = o
         if o.delta_text or o.finished:
@@ -179,14 +183,14 @@ async def completion_chunks(
                 o.logprobs is not None
             ):  # the tokens since the last chunk (a partial character waits for its end)
                 start = sent.get(index, 0)
-                offset = len(o.text) - len(o.delta_text)
+                offset = len(o.text) - len(o.delta_text) + (len(echo.text(index)) if echo is not None else 0)
                 logprobs = completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
                 sent[index] = len(o.logprobs)
-            structured = p.StructuredInfo.of(o) if o.finished else None
+            structured = a.StructuredInfo.of(o) if o.finished else None
             yield chunk(index, o.delta_text, logprobs, o.finish_reason, structured)
     usage = call.finish(prompt_tokens(started), list(finals.values()))
     if include_usage:
-        yield p.Completion(
+        yield a.Completion(
             id=call.id, created=call.created, model=call.model, choices=[], usage=usage
         ).model_dump()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from structgen.engine.outputs import CompletionOutput
 from structgen.sampling_params import SamplingParams
+from structgen.server import answers as a
 from structgen.server import protocol as p
 from structgen.server.errors import APIError
 from structgen.tools import StreamingToolParser, ToolCallPlan, ToolError
@@ -51,13 +52,13 @@ class ChatTools:
         messages, template_tools = plan.conversation(messages)
         return cls(plan, messages, template_tools, params)
 
-    def message(self, output: CompletionOutput) -> p.AssistantMessage:
+    def message(self, output: CompletionOutput) -> a.AssistantMessage:
         if self.plan is None:
-            return p.AssistantMessage(content=output.text)
+            return a.AssistantMessage(content=output.text)
         parsed = self.plan.parse(output.text)
         if not parsed.calls:
-            return p.AssistantMessage(content=output.text)
-        return p.AssistantMessage(content=parsed.content, tool_calls=[c.to_openai() for c in parsed.calls])
+            return a.AssistantMessage(content=output.text)
+        return a.AssistantMessage(content=parsed.content, tool_calls=[c.to_openai() for c in parsed.calls])
 
     def finish_reason(self, output: CompletionOutput) -> str | None:
         if self.plan is None:

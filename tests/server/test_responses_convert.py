@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from structgen.server import answers as a
 from structgen.server import protocol as p
 from structgen.server.errors import APIError
 from structgen.server.responses.convert import (
@@ -336,15 +337,15 @@ def test_whitespace_before_calls_is_no_message_and_an_empty_output_is_one() -> N
 
 def test_a_plain_answer_has_the_items_a_stream_builds() -> None:
     calls = [{"id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}]
-    choice = p.ChatChoice(
-        index=0, message=p.AssistantMessage(content=None, tool_calls=calls), finish_reason="tool_calls"
+    choice = a.ChatChoice(
+        index=0, message=a.AssistantMessage(content=None, tool_calls=calls), finish_reason="tool_calls"
     )
     items, status = from_choice(choice)
     assert status == "completed"
     assert [(i["type"], i["call_id"], i["name"], json.loads(i["arguments"])) for i in items] == [
         ("function_call", "call_9", "f", {"x": 2})
     ]
-    cut = p.ChatChoice(index=0, message=p.AssistantMessage(content="abc"), finish_reason="length")
+    cut = a.ChatChoice(index=0, message=a.AssistantMessage(content="abc"), finish_reason="length")
     items, status = from_choice(cut)
     assert status == "incomplete" and items[0]["status"] == "incomplete"
     assert items[0]["content"] == [{"type": "output_text", "text": "abc", "annotations": [], "logprobs": []}]

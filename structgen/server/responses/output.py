@@ -11,7 +11,7 @@ import copy
 import time
 from typing import Any, Literal
 
-from structgen.server import protocol as p
+from structgen.server import answers as a
 from structgen.server.responses.convert import echo_tools
 from structgen.server.responses.protocol import (
     InputTokensDetails,
@@ -195,7 +195,7 @@ def status_of(finish_reason: str | None) -> Status:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def from_choice(choice: p.ChatChoice, *, reasoning_tokens: int = 0) -> tuple[list[dict[str, Any]], Status]:
+def from_choice(choice: a.ChatChoice, *, reasoning_tokens: int = 0) -> tuple[list[dict[str, Any]], Status]:
     """The output items of a finished chat choice (through `OutputItems`, as a stream would build them).
     `reasoning_tokens`: the output tokens before the answer, whose logprobs belong to no text part."""
     message, status = choice.message, status_of(choice.finish_reason)
@@ -270,7 +270,7 @@ def response_object(
 
 
 def usage_of(usage: dict[str, Any], cached_tokens: int) -> ResponseUsage:
-    """The Responses usage of a chat usage (`protocol.Usage`, dumped)."""
+    """The Responses usage of a chat usage (`answers.Usage`, dumped)."""
     details = usage.get("completion_tokens_details") or {}
     return ResponseUsage(
         input_tokens=usage["prompt_tokens"],

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from structgen.server.protocol import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingExtras, StructuredInfo
+from structgen.server.answers import StructuredInfo
+from structgen.server.protocol import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingExtras
 from structgen.server.protocol import _Request as _Body  # chat's strict request config, shared on purpose
 
 # OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
