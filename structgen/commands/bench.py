@@ -29,6 +29,10 @@ BENCHMARKS = {
         "cpu_linears",
         "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",
     ),
+    "quality": (
+        "quality",
+        "teacher-forced scoring of BFCL text: each --quantization's perplexity and agreement vs the exact product",
+    ),
     "gpu-engine": ("gpu_engine", "the whole engine on a GPU: backends agree, structured vs free tokens/s"),
     "tools": ("tools", "tool calling"),
     "completion": (
