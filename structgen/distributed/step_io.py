@@ -6,13 +6,13 @@ and on CUDA the payload never leaves the device (it is concatenated from the ten
 
 Payload layout (all int64): input_ids, positions, slot_mapping (num_tokens each), context_lens (num_seqs),
 query_start_loc (num_seqs + 1), block_tables (num_seqs x max_blocks), logit rows (num_rows), block copies
-(2 x num_copies: sources then destinations).
+(2 x num_copies: sources then destinations), prompt-scoring rows (num_prompt_rows).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from structgen.attention import AttentionMetadata
 
-HEADER_SIZE = 8
+HEADER_SIZE = 9
 
 
 class Command(enum.IntEnum):
@@ -38,6 +38,9 @@ class StepInput:
     metadata: AttentionMetadata
     logit_rows: torch.Tensor  # [num_rows] int64, empty when nothing samples this step
     blocks_to_copy: list[tuple[int, int]]
+    # [num_prompt_rows] int64: rows whose logits score prompt tokens (`structgen.engine.prompt_logprobs`), taken
+    # before the sampling rows, `PROMPT_LOGITS_CHUNK` at a time on every rank.
+    prompt_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
 
 def send_command(command: Command, *args: int, device: torch.device) -> None:
@@ -61,6 +64,7 @@ def send_step(step: StepInput, *, device: torch.device) -> None:
         len(step.blocks_to_copy),
         md.max_query_len,
         md.max_context_len,
+        step.prompt_rows.numel(),
         device=device,
     )
     payload = torch.cat(
@@ -73,6 +77,7 @@ def send_step(step: StepInput, *, device: torch.device) -> None:
             md.block_tables.long().flatten(),
             step.logit_rows,
             torch.tensor(copies, dtype=torch.long, device=device),
+            step.prompt_rows.to(device),
         ]
     )
     dist.broadcast(payload, src=0)
@@ -86,11 +91,20 @@ def receive_header(device: torch.device) -> list[int]:
 
 def receive_step(header: list[int], *, device: torch.device, block_size: int) -> StepInput:
     """Workers: the payload that follows a STEP header, unpacked into the same tensors rank 0 runs on."""
-    _, num_tokens, num_seqs, max_blocks, num_rows, num_copies, max_query_len, max_context_len = header
-    sizes = [num_tokens] * 3 + [num_seqs, num_seqs + 1, num_seqs * max_blocks, num_rows, 2 * num_copies]
+    _, num_tokens, num_seqs, max_blocks, num_rows, num_copies, max_query_len, max_context_len, num_scored = (
+        header
+    )
+    sizes = [num_tokens] * 3 + [
+        num_seqs,
+        num_seqs + 1,
+        num_seqs * max_blocks,
+        num_rows,
+        2 * num_copies,
+        num_scored,
+    ]
     payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
     dist.broadcast(payload, src=0)
-    ids, positions, slots, context_lens, query_start, tables, rows, copies = payload.split(sizes)
+    ids, positions, slots, context_lens, query_start, tables, rows, copies, prompt_rows = payload.split(sizes)
     # Host copies of the per-sequence lengths (one transfer), as rank 0's `_prepare` keeps them.
     lengths = torch.cat([context_lens, query_start]).tolist()
     context_lens_cpu, starts = lengths[:num_seqs], lengths[num_seqs:]
@@ -112,4 +126,5 @@ def receive_step(header: list[int], *, device: torch.device, block_size: int) ->
         metadata=metadata,
         logit_rows=rows,
         blocks_to_copy=list(zip(pairs[:num_copies], pairs[num_copies:], strict=True)),
+        prompt_rows=prompt_rows,
     )

@@ -78,6 +78,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 @torch.inference_mode()
 def _serve(runner: object, spec: WorkerSpec, device: torch.device) -> None:
     from structgen.engine.model_runner import ModelRunner
+    from structgen.engine.prompt_logprobs import prompt_logit_chunks
 
     assert isinstance(runner, ModelRunner)
     model = runner.model
@@ -96,6 +97,8 @@ def _serve(runner: object, spec: WorkerSpec, device: torch.device) -> None:
         if step.blocks_to_copy:
             runner._copy_blocks(step.blocks_to_copy)
         hidden = model(step.input_ids, step.positions, runner.kv_caches, step.metadata)
+        for chunk in prompt_logit_chunks(step.prompt_rows):  # the products rank 0 scores the prompts with
+            model.compute_logits(hidden.index_select(0, chunk))  # type: ignore[operator]
         if step.logit_rows.numel():
             model.compute_logits(hidden.index_select(0, step.logit_rows))  # type: ignore[operator]
 

@@ -224,9 +224,6 @@ class LLMEngine:
         )
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
-        if params.prompt_logprobs is not None and self.tp_group is not None:
-            # Every rank takes part in a logits product; the workers compute only the sampling rows' ones.
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         lora = None
         if lora_request is not None:
             if self.lora is None:

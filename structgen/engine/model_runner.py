@@ -22,7 +22,7 @@ from structgen.engine.block_manager import cdiv
 from structgen.engine.cuda_graphs import CUDAGraphRunner, uses_triton_attention
 from structgen.engine.host_memory import keep_freed_memory
 from structgen.engine.narrow_logits import NARROW_LIMIT, narrow_logits, supports_narrow_logits
-from structgen.engine.prompt_logprobs import prompt_spans, score_prompts
+from structgen.engine.prompt_logprobs import prompt_spans, score_prompts, span_rows
 from structgen.engine.reasoning import ban_phase_tokens
 from structgen.engine.sampler import Sampler, SamplerError, SamplerOutput, SamplingRow
 from structgen.engine.scheduler import SchedulerOutput
@@ -211,12 +211,16 @@ class ModelRunner:
         index = torch.tensor(
             [ends[i] - 1 - spec.get(i, 0) for i in rows], dtype=torch.long, device=self.device
         )
+        scored = prompt_spans(batch.seqs, batch.num_new_tokens)
         if self.step_sender is not None:
-            self.step_sender(StepInput(input_ids, positions, metadata, index, batch.blocks_to_copy))
+            prompt_rows = self._to_device(torch.tensor(span_rows(scored), dtype=torch.long))
+            self.step_sender(
+                StepInput(input_ids, positions, metadata, index, batch.blocks_to_copy, prompt_rows)
+            )
         hidden = self._forward(input_ids, positions, metadata)
         score_prompts(
             hidden,
-            prompt_spans(batch.seqs, batch.num_new_tokens),
+            scored,
             self.model.compute_logits,  # type: ignore[arg-type]
             num_valid_tokens=self.num_valid_tokens,
         )

@@ -57,6 +57,17 @@ def prompt_spans(seqs: list[Sequence], num_new_tokens: list[int]) -> list[Prompt
     return spans
 
 
+def span_rows(spans: list[PromptSpan]) -> list[int]:
+    """The batch rows whose logits score the spans' tokens, in scoring order."""
+    return [r for span in spans for r in range(span.row, span.row + span.count)]
+
+
+def prompt_logit_chunks(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`rows` in the pieces whose logits are computed at once. Under tensor parallelism every rank takes part in
+    each product, so the workers split the rows they are sent exactly as rank 0 does here."""
+    return rows.split(PROMPT_LOGITS_CHUNK) if rows.numel() else ()
+
+
 def score_prompts(
     hidden: torch.Tensor,
     spans: list[PromptSpan],
@@ -68,20 +79,19 @@ def score_prompts(
     sequence's `prompt_logprobs`, in prompt order."""
     if not spans:
         return
-    rows: list[int] = []
     targets: list[int] = []
     wanted: list[int] = []
     owners: list[Sequence] = []
     for span in spans:
         k = span.seq.params.prompt_logprobs or 0  # type: ignore[union-attr]
-        rows.extend(range(span.row, span.row + span.count))
         targets.extend(span.seq.token_ids[span.first : span.first + span.count])
         wanted.extend([k] * span.count)
         owners.extend([span.seq] * span.count)
     device = hidden.device
-    for begin in range(0, len(rows), PROMPT_LOGITS_CHUNK):
-        end = min(begin + PROMPT_LOGITS_CHUNK, len(rows))
-        index = torch.tensor(rows[begin:end], dtype=torch.long, device=device)
+    rows = torch.tensor(span_rows(spans), dtype=torch.long, device=device)
+    begin = 0
+    for index in prompt_logit_chunks(rows):
+        end = begin + index.numel()
         target = torch.tensor(targets[begin:end], dtype=torch.long, device=device).unsqueeze(1)
         logits = compute_logits(hidden.index_select(0, index))
         if num_valid_tokens < logits.shape[1]:
@@ -92,6 +102,7 @@ def score_prompts(
             owners[begin + j].prompt_logprobs.append(  # type: ignore[union-attr]
                 TokenLogprob(targets[begin + j], logprob, top[:k], rank)
             )
+        begin = end
 
 
 def _score(

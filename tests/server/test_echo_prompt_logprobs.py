@@ -234,24 +234,6 @@ def test_refusals_are_400s_naming_the_field(
     assert error["param"] == param
 
 
-def test_an_engine_refusing_prompt_logprobs_is_a_400(app: Any, engine: AsyncEngine, monkeypatch: Any) -> None:
-    """A tensor-parallel engine refuses them at `add_request` (ValueError): an ordinary 400, not a 500."""
-    add_request = engine.engine.add_request
-
-    def refuse(request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Any:
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
-        return add_request(request_id, prompt, params, **kwargs)
-
-    monkeypatch.setattr(engine.engine, "add_request", refuse)
-    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
-    assert_error(call(app, "POST", COMPLETIONS, json=body), 400, "tensor_parallel_size")
-    assert (
-        completion(app, prompt=PROMPT, max_tokens=1, ignore_eos=True)["choices"][0]["finish_reason"]
-        == "length"
-    )
-
-
 # -- consistency ----------------------------------------------------------------------------------------------
 
 
