@@ -41,6 +41,7 @@ SOURCES = (
     "cpu_sparse_picks.cpp",
     "cpu_inverse_cdf.cpp",
     "cpu_narrow_logits.cpp",
+    "cpu_token_scores.cpp",
 )
 HEADERS = (
     "cpu_avx2_vec.h",

@@ -7,15 +7,18 @@ which is sampled, not scored). Entries are appended to `Sequence.prompt_logprobs
 covers positions already scored (a preempted sequence recomputing its prompt) scores nothing again.
 
 Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk of a 49k vocabulary would be
-400 MB of float32 for numbers reduced at once to a few per row. Like the sampled tokens' logprobs
+400 MB of float32 for numbers reduced at once to a few per row. On the CPU the reduction (log-normalizer and
+rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. Like the sampled tokens' logprobs
 (`structgen.engine.logprobs`) they are the raw model distribution: no temperature, penalties or mask.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,12 +112,17 @@ def _score(
     logits: torch.Tensor, target: torch.Tensor, k: int
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """(the target's logprob, its rank, the k best (token, logprob) pairs) per row of float32 `logits`."""
-    top = logits.amax(dim=1, keepdim=True)
-    log_norm = (logits - top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
-    target_logit = logits.gather(1, target)
-    # Rank as vLLM counts it: 1 + the tokens strictly more likely (ties share the better rank).
-    ranks = (logits > target_logit).sum(dim=1).add_(1).tolist()
-    logprobs = (target_logit - log_norm).squeeze(1).tolist()
+    targets = target.squeeze(1)
+    native = _native() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
+    if native is not None:
+        log_norm, rank = native.token_scores(logits, targets)
+    else:
+        from structgen.kernels.cpu_token_scores import token_scores_reference
+
+        log_norm, rank = token_scores_reference(logits, targets)
+    log_norm = log_norm.unsqueeze(1)
+    ranks = rank.tolist()
+    logprobs = (logits.gather(1, target) - log_norm).squeeze(1).tolist()
     if k == 0:
         return [(lp, r, []) for lp, r in zip(logprobs, ranks, strict=True)]
     values, ids = logits.topk(min(k, logits.shape[1]), dim=1)
@@ -124,3 +132,12 @@ def _score(
         (lp, r, [(t, v) for t, v in zip(i, vs, strict=True) if v != -math.inf])
         for lp, r, i, vs in zip(logprobs, ranks, ids, values, strict=True)
     ]
+
+
+@functools.cache
+def _native() -> ModuleType | None:
+    """`structgen.kernels.cpu_token_scores` when the native kernels are built here (the first call may build
+    them), else None."""
+    from structgen.kernels import cpu_token_scores
+
+    return cpu_token_scores if cpu_token_scores.available() else None
