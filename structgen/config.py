@@ -186,7 +186,8 @@ class EngineConfig:
     dtype: str = "auto"
     # Weight-only int4 for decode batches on the CPU (bf16, or fp32 on AVX2): "auto" reads a GGUF's own 4-bit
     # blocks (the default model's), "int4" also quantizes HF checkpoints, "w4a8" adds int8 activations for an fp32
-    # model's prompt chunks (faster prompts, outputs no longer the exact product's), "none" turns it off. See
+    # model's prompt chunks (faster prompts; +1.5% perplexity on SmolLM2 against the exact product, where the
+    # default's kernels are within 0.0004 nats a token: `structgen bench quality`), "none" turns it off. See
     # structgen.models.cpu_linear.
     quantization: str = "auto"
     device: str | None = None
