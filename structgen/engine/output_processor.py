@@ -319,9 +319,10 @@ class OutputProcessor:
 
 
 def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
-    """The first sample's prompt logprobs once every prompt token is scored (its forks share its prompt)."""
+    """The first sample's prompt logprobs once every prompt token is scored (its forks share its prompt). The list
+    itself, not a copy: complete, it never changes again, and a stream would otherwise copy it every step."""
     scores = seq.prompt_logprobs
-    return list(scores) if scores is not None and not seq.scores_prompt else None
+    return scores if scores is not None and not seq.scores_prompt else None
 
 
 def _answer_ids(seq: Sequence) -> list[int]:
