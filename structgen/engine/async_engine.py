@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.metrics import EngineStats
-from structgen.engine.output_streams import OutputStream, deliver
+from structgen.engine.output_streams import OutputStream, call_on_loop, deliver
 from structgen.engine.outputs import RequestOutput
 from structgen.lora import LoRAError, LoRARequest
 from structgen.sampling_params import SamplingParams
@@ -140,13 +140,14 @@ class AsyncEngine:
                     lora_request=lora_request,
                 )
             except BaseException as error:  # reported to the caller, not to the step loop
-                loop.call_soon_threadsafe(_resolve, added, error)
+                call_on_loop(loop, _resolve, added, error)
                 return
             finally:
                 if lora_request is not None and lora_request.lora_path:
                     self._refresh_loras()  # a request with a path registers its adapter on first use
             self._streams[request_id] = queue
-            loop.call_soon_threadsafe(_resolve, added, None)
+            if not call_on_loop(loop, _resolve, added, None):
+                self._abort(request_id)  # its caller's loop is gone: nobody will read it
 
         with self._wakeup:
             self._adding[added] = loop
@@ -188,7 +189,7 @@ class AsyncEngine:
 
         def take() -> None:
             stats = self.engine.stats()
-            loop.call_soon_threadsafe(lambda: taken.done() or taken.set_result(stats))
+            call_on_loop(loop, lambda: taken.done() or taken.set_result(stats))
 
         if self._post(take):
             try:
@@ -278,12 +279,12 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as error:
-                loop.call_soon_threadsafe(_resolve, done, error)
+                call_on_loop(loop, _resolve, done, error)
                 return
             finally:
                 if refresh_loras:
                     self._refresh_loras()
-            loop.call_soon_threadsafe(_resolve, done, None, result)
+            call_on_loop(loop, _resolve, done, None, result)
 
         with self._wakeup:
             self._adding[done] = loop
@@ -340,7 +341,9 @@ class AsyncEngine:
                     if stream.wants(output):
                         ready.setdefault(stream.loop, []).append((stream, output))
                 for loop, items in ready.items():
-                    loop.call_soon_threadsafe(deliver, items)
+                    if not call_on_loop(loop, deliver, items):  # a closed loop: its requests stop here
+                        for stream, output in items:
+                            self._abort(output.request_id, stream)
                 if engine.last_step_num_tokens == 0:  # everyone waits on a grammar: poll, don't spin
                     with self._wakeup:
                         if not self._commands and not self._stopped:
@@ -357,7 +360,7 @@ class AsyncEngine:
             for future, loop in adding.items():
                 dead = EngineDeadError("the engine's step loop failed")
                 dead.__cause__ = error
-                loop.call_soon_threadsafe(_resolve, future, dead)
+                call_on_loop(loop, _resolve, future, dead)
             return
         # Shut down: requests added at the last moment are registered, then everything is aborted.
         with self._wakeup:

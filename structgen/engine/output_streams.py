@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,8 +29,23 @@ class OutputStream:
             return True
         return False
 
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException | None) -> bool:
+        """Queue `item` for the event loop; False when that loop is closed (`call_on_loop`)."""
+        return call_on_loop(self.loop, self.queue.put_nowait, item)
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> bool:
+    """`loop.call_soon_threadsafe(callback, *args)` from the step thread; False when the loop is closed. A loop can
+    close while a request of its own still runs (an `asyncio.run` that returns without awaiting its stream's end:
+    the abort its cancellation posted has not run yet). Nobody is left to read that request: the step thread must
+    go on serving the others rather than die on the RuntimeError."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
 
 
 def deliver(items: list[tuple[OutputStream, RequestOutput]]) -> None:

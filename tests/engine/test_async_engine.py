@@ -232,3 +232,17 @@ def test_a_steps_outputs_reach_the_event_loop_in_one_call(engine: AsyncEngine) -
     assert all(outputs[-1].finished for outputs in streams)
     assert sum(deliveries) == 18 and len(deliveries) == sum(1 for n in step_sizes if n)
     assert max(deliveries) == 3  # the three streams' outputs of one step together
+
+
+def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_goes_on(engine: AsyncEngine) -> None:
+    # The loop ends while its request still runs (its iterator never finished nor closed): the step thread's next
+    # delivery to it fails. Before, that RuntimeError ended the step loop and every later request got
+    # EngineDeadError; now the orphaned request is aborted and the others are served.
+    loop = asyncio.new_event_loop()
+    stream = engine.generate(PROMPTS[0], params(1, max_tokens=400))
+    loop.run_until_complete(stream.__anext__())
+    loop.close()
+    outputs = asyncio.run(asyncio.wait_for(collect(engine, PROMPTS[1], params(2)), timeout=60))
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
+    asyncio.run(wait_idle(engine.engine))
+    assert engine.engine.counters.num_requests_aborted == 1
