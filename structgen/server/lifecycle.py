@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,12 @@ class Lifecycle:
         self.tickets: set[Ticket] = set()
         self.num_queued = 0
         self.draining = False
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await `hook` as draining starts (every drain: a hook must be idempotent). For work no client waits on
+        once the server is gone (background responses), which would otherwise hold shutdown for its timeout."""
+        self._drain_hooks.append(hook)
 
     def open(self) -> Ticket:
         if self.draining:
@@ -86,6 +92,8 @@ class Lifecycle:
         """Stop admitting, wait up to `timeout` seconds (default: the configured shutdown timeout) for the
         in-flight requests, then abort the rest. Returns how many requests were aborted."""
         self.draining = True
+        for hook in self._drain_hooks:
+            await hook()
         timeout = self.limits.shutdown_timeout_s if timeout is None else timeout
         if self.tickets:
             logger.info("draining %d in-flight request(s), up to %.1f s", len(self.tickets), timeout)

@@ -242,7 +242,7 @@ UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItem
             ["text.format, guided_regex"],
         ),
         ({"input": "x", "structured_outputs": {"loop_guard": 2}}, 400, "structured_outputs.loop_guard", []),
-        ({"input": "x", "background": True}, 400, "background", ["background"]),
+        ({"input": "x", "background": True, "store": False}, 400, "background", ["store=true"]),
         ({"input": "x", "model": "gpt-4o"}, 404, "model", ["'gpt-4o'"]),
         (
             {"input": "x", "previous_response_id": "resp_nope"},

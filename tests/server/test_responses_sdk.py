@@ -209,4 +209,4 @@ def test_errors_are_the_sdk_types(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model=MODEL, input="x", background=True)
+        client.responses.create(model=MODEL, input="x", background=True, store=False)

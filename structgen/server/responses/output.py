@@ -238,6 +238,7 @@ def response_head(body: ResponsesRequest, *, response_id: str, model: str) -> di
         "user": body.user,
         "metadata": body.metadata or {},
         "reasoning": _reasoning_echo(body),
+        "background": body.background,
     }
 
 
@@ -252,7 +253,7 @@ def _reasoning_echo(body: ResponsesRequest) -> dict[str, Any]:
 def response_object(
     head: dict[str, Any],
     *,
-    status: Literal["in_progress", "completed", "incomplete"],
+    status: Literal["queued", "in_progress", "completed", "incomplete"],
     output: list[dict[str, Any]] | None = None,
     usage: ResponseUsage | None = None,
     structured: Any = None,

@@ -118,7 +118,7 @@ class Response(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     completed_at: int | None = None
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None

@@ -2,9 +2,10 @@
 `POST /v1/responses/{id}/cancel` and `GET /v1/responses/{id}/input_items`.
 
 A request is served by the chat pipeline (`routes_chat.run_chat`): converted into a `ChatCompletionRequest`,
-answered, and the answer (or its chunk stream) converted back. Background mode is not supported: a
-`background: true` request is a 400, so `cancel` has nothing to cancel and answers a 400 for any stored
-response, as OpenAI does for one not created in the background.
+answered, and the answer (or its chunk stream) converted back. A `background: true` request (`store: true`, no
+`stream`) is answered at once with its stored `queued` Response while the same pipeline runs it in a task
+(`background.py`); `cancel` stops such a task, and answers a 400 for a response not created in the background or
+already finished, as OpenAI does. `DELETE` of a running background response cancels it too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from structgen.server.context import ServerContext
 from structgen.server.errors import APIError
 from structgen.server.generation import Call, Started
 from structgen.server.openapi import generation_responses
+from structgen.server.responses.background import (
+    PENDING,
+    cancel_background,
+    check_background,
+    detached,
+    start_background,
+)
 from structgen.server.responses.convert import chat_request, input_items, responses_error
 from structgen.server.responses.events import response_events
 from structgen.server.responses.output import from_choice, response_head, response_object, usage_of
@@ -29,7 +37,7 @@ from structgen.server.responses.protocol import (
     new_id,
 )
 from structgen.server.responses.store import ResponseStore, StoredResponse
-from structgen.server.routes_chat import ChunkStream, run_chat
+from structgen.server.routes_chat import ChatAnswer, ChunkStream, run_chat
 from structgen.server.routes_models import resolve_model
 
 MAX_LIST_LIMIT = 100
@@ -38,6 +46,10 @@ MAX_LIST_LIMIT = 100
 def add_responses_routes(router: APIRouter, ctx: ServerContext) -> ResponseStore:
     """Add the Responses API to `router`; returns its store (sized by `ctx.limits.responses_store_size`)."""
     store = ResponseStore(ctx.limits.responses_store_size)
+
+    # Nobody can fetch a background response once the server is gone: stop them as draining starts, rather
+    # than holding shutdown for them until its timeout.
+    ctx.lifecycle.on_drain(store.close)
 
     @router.post("/responses", response_model=None, responses=generation_responses(Response))
     async def create(body: ResponsesRequest, request: Request) -> Any:
@@ -57,13 +69,7 @@ def add_responses_routes(router: APIRouter, ctx: ServerContext) -> ResponseStore
 
     @router.post("/responses/{response_id}/cancel", response_model=Response)
     async def cancel(response_id: str) -> JSONResponse:
-        store.get(response_id)  # an unknown id is a 404 first
-        raise APIError(
-            400,
-            f"cannot cancel response {response_id!r}: only background responses can be cancelled, and this "
-            "server does not run responses in the background",
-            code="not_background",
-        )
+        return JSONResponse(cancel_background(store, response_id))
 
     @router.get("/responses/{response_id}/input_items")
     async def list_input_items(
@@ -92,17 +98,19 @@ def add_responses_routes(router: APIRouter, ctx: ServerContext) -> ResponseStore
 
 async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest, request: Request) -> Any:
     if body.background:
-        raise APIError(
-            400,
-            "background mode is not supported by this server: send the request without background "
-            "(stream: true gives the output as it is generated)",
-            param="background",
-        )
+        check_background(ctx, store, body)
     previous = (
         store.get(body.previous_response_id, param="previous_response_id")
         if body.previous_response_id is not None
         else None
     )
+    if previous is not None and previous.response["status"] in PENDING:
+        raise APIError(
+            400,
+            f"previous response {body.previous_response_id!r} is a background response still running: its "
+            "output is not known yet (poll GET /v1/responses/{id} until it finishes)",
+            param="previous_response_id",
+        )
     context = previous.context if previous is not None else []
     items = input_items(body.input)
     chat = chat_request(body, context=context, items=items)
@@ -120,21 +128,39 @@ async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesReque
     def rewrite(call: Call, started: list[Started], chunks: ChunkStream) -> ChunkStream:
         return response_events(chunks, head=head, cached_tokens=_cached(started), on_done=remember)
 
+    if body.background:
+        request.state.request_id = head["id"]  # the POST's log line names the response it queued
+
+        async def work() -> dict[str, Any]:
+            answer = await run_chat(ctx, detached(request, head["id"]), chat, request_id=head["id"])
+            assert isinstance(answer, ChatAnswer)  # not streamed
+            return _response(head, answer)
+
+        queued = response_object(head, status="queued").model_dump()
+        start_background(
+            store, StoredResponse(response=queued, input_items=items, context=[*context, *items]), work
+        )
+        return JSONResponse(queued)
     answer = await run_chat(ctx, request, chat, request_id=head["id"], rewrite=rewrite)
     if isinstance(answer, StreamingResponse):
         return answer
+    response = _response(head, answer)
+    remember(response)
+    return JSONResponse(response)
+
+
+def _response(head: dict[str, Any], answer: ChatAnswer) -> dict[str, Any]:
+    """The finished Response object of a plain (not streamed) answer."""
     choice, usage = answer.completion.choices[0], answer.completion.usage
     details = usage.completion_tokens_details
     output, status = from_choice(choice, reasoning_tokens=details.reasoning_tokens if details else 0)
-    response = response_object(
+    return response_object(
         head,
         status=status,
         output=output,
         usage=usage_of(usage.model_dump(), _cached(answer.started)),
         structured=choice.structured,
     ).model_dump()
-    remember(response)
-    return JSONResponse(response)
 
 
 def _cached(started: list[Started]) -> int:

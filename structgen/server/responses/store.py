@@ -4,10 +4,16 @@ request's `previous_response_id` read.
 A bounded in-memory LRU (`--responses-store-size`): the least recently stored or read response is evicted
 first, so a server that runs for weeks holds at most that many conversations, and an evicted id answers the
 same 404 as one never stored. Nothing survives a restart; every access happens on the event loop, so no lock.
+
+A background response (`background.py`) is stored at once and runs as a task the store tracks: deleting the
+response cancels it, and so does `close()` (server shutdown). A running entry is never evicted: its client polls
+for it, and cancelling work it is waiting for would be the surprise; how many run at once is bounded by the
+admission limits anyway, so the store overshoots its size by at most that many while they run.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +38,7 @@ class ResponseStore:
             raise ValueError(f"the responses store size must be >= 0, got {capacity}")
         self.capacity = capacity
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # background responses still running
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,8 +49,43 @@ class ResponseStore:
         key = entry.response["id"]
         self._entries[key] = entry
         self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        if len(self._entries) > self.capacity:
+            self._evict(newest=key)
+
+    def _evict(self, *, newest: str) -> None:
+        """Drop the least recently used entries over capacity, skipping running ones (see the module doc) and
+        the one just stored, which a full store of running responses would otherwise drop at once."""
+        over = len(self._entries) - self.capacity
+        for old in [key for key in self._entries if key != newest and not self.running(key)][:over]:
+            del self._entries[old]
+
+    def replace(self, entry: StoredResponse) -> None:
+        """Update a stored response in place (a background one that moved on); one deleted meanwhile stays gone."""
+        key = entry.response["id"]
+        if key in self._entries:
+            self._entries[key] = entry
+
+    def track(self, response_id: str, task: asyncio.Task[None]) -> None:
+        """`task` runs the stored background response `response_id` until it finishes."""
+        self._tasks[response_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+
+    def running(self, response_id: str) -> bool:
+        task = self._tasks.get(response_id)
+        return task is not None and not task.done()
+
+    def cancel(self, response_id: str) -> None:
+        """Cancel the task of a running background response (which aborts its engine requests); else nothing."""
+        task = self._tasks.get(response_id)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Cancel every running background response and wait for the tasks to end."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def get(self, response_id: str, *, param: str | None = None) -> StoredResponse:
         """The stored response, freshly used; a 404 naming `param` when it is unknown, deleted or evicted."""
@@ -56,6 +98,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         if self._entries.pop(response_id, None) is None:
             raise not_found(response_id)
+        self.cancel(response_id)  # nothing keeps running for a deleted response
 
 
 def not_found(response_id: str, *, param: str | None = None) -> APIError:
