@@ -76,6 +76,15 @@ def poll(client: httpx.Client, response_id: str, timeout: float = 60) -> dict[st
         time.sleep(0.05)
 
 
+def reaches_the_engine(engine: AsyncEngine, timeout: float = 30) -> None:
+    """Wait until the engine holds a request: a background response cancelled before its task added its engine
+    request has nothing to abort, which a test counting aborts must not race."""
+    deadline = time.monotonic() + timeout
+    while not engine.engine.has_unfinished():
+        assert time.monotonic() < deadline, "the background response never reached the engine"
+        time.sleep(0.01)
+
+
 def text_of(response: dict[str, Any]) -> str:
     return "".join(
         part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
@@ -105,8 +114,10 @@ def test_a_background_response_ends_as_the_plain_answer(client: httpx.Client, en
 def test_cancel_aborts_the_engine_request_and_is_idempotent(
     client: httpx.Client, engine: AsyncEngine
 ) -> None:
+    wait_idle(engine)
     aborted = engine.engine.stats().num_requests_aborted
     rid = background(client, **LONG)["id"]
+    reaches_the_engine(engine)
     assert client.get(f"/v1/responses/{rid}").json()["status"] in ("queued", "in_progress")
     error = assert_error(
         client.post("/v1/responses", json=GREEDY | {"previous_response_id": rid}), 400, "running"
@@ -157,8 +168,10 @@ def test_a_failing_background_response_is_failed_with_its_error(client: httpx.Cl
 
 
 def test_delete_cancels_a_running_response(client: httpx.Client, engine: AsyncEngine) -> None:
+    wait_idle(engine)  # earlier tests' aborts have all landed
     aborted = engine.engine.stats().num_requests_aborted
     rid = background(client, **LONG)["id"]
+    reaches_the_engine(engine)
     deleted = client.delete(f"/v1/responses/{rid}")
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     wait_idle(engine, timeout=5)
@@ -169,10 +182,12 @@ def test_delete_cancels_a_running_response(client: httpx.Client, engine: AsyncEn
 def test_a_running_response_is_not_evicted_and_shutdown_cancels_it(engine: AsyncEngine) -> None:
     limits = ServerLimits(responses_store_size=1, shutdown_timeout_s=60)
     small = build_app(engine, engine.engine.tokenizer, model_name="tiny", api_key=KEY, limits=limits)
+    wait_idle(engine)
     aborted = engine.engine.stats().num_requests_aborted
     started = time.monotonic()
     with serve(small) as base, httpx.Client(base_url=base, headers=AUTH, timeout=30) as client:
         rid = background(client, **LONG)["id"]
+        reaches_the_engine(engine)
         first, second = post(client, **GREEDY), post(client, **GREEDY)
         assert client.get(f"/v1/responses/{rid}").json()["status"] in ("queued", "in_progress")
         assert_error(client.get(f"/v1/responses/{first['id']}"), 404)  # evicted in its place
@@ -184,17 +199,21 @@ def test_a_running_response_is_not_evicted_and_shutdown_cancels_it(engine: Async
 
 
 def test_a_closing_event_loop_cancels_a_running_response_safely(app: Any, engine: AsyncEngine) -> None:
-    """`asyncio.run` cancels the tasks left when it ends (an ASGI call per loop, as other tests make): a
-    cancelled background response ends only once the step thread has run its abort, which would fail the step
-    loop if it ran after the loop closed."""
+    """`asyncio.run` cancels the tasks left when it ends (an ASGI call per loop, as other tests make): the
+    cancelled background response's abort may reach the step thread after its loop has closed, which the engine
+    must survive (`AsyncEngine`: a closed loop's requests are aborted, the step loop goes on)."""
 
     async def main() -> dict[str, Any]:
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=AUTH) as client:
             queued = (await client.post("/v1/responses", json=LONG | {"background": True})).json()
-            await asyncio.sleep(0.3)  # decoding by now
+            deadline = time.monotonic() + 30
+            while not engine.engine.has_unfinished():  # decoding before the loop ends
+                assert time.monotonic() < deadline, "the background response never reached the engine"
+                await asyncio.sleep(0.01)
             return queued
 
+    wait_idle(engine)
     aborted = engine.engine.stats().num_requests_aborted
     for _ in range(3):
         assert asyncio.run(main())["status"] == "queued"
