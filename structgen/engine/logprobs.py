@@ -33,11 +33,22 @@ def raw_logprobs(
     wanted = [rows[i].params.logprobs or 0 for i in asked]
     if not any(wanted):
         return logprobs, None
-    values, ids = part.topk(min(max(wanted), raw.shape[1]), dim=1)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for i, pairs in zip(asked, best_logprobs(part, log_norm, wanted), strict=True):
+        top_logprobs[i] = pairs
+    return logprobs, top_logprobs
+
+
+def best_logprobs(logits: Tensor, log_norm: Tensor, wanted: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """The `wanted[j]` most likely (token, logprob) pairs of row j of `logits` ([rows, vocab]; `log_norm` [rows, 1]
+    its log-normalizers), impossible tokens left out: one `topk` for every row."""
+    k = max(wanted, default=0)
+    if k == 0:
+        return [[] for _ in wanted]
+    values, ids = logits.topk(min(k, logits.shape[1]), dim=1)
     values = (values - log_norm).tolist()
     ids = ids.tolist()
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
-    for j, (i, k) in enumerate(zip(asked, wanted, strict=True)):
-        pairs = zip(ids[j][:k], values[j][:k], strict=True)
-        top_logprobs[i] = [(t, v) for t, v in pairs if v != -math.inf]
-    return logprobs, top_logprobs
+    return [
+        [(t, v) for t, v in zip(ids[j][:n], values[j][:n], strict=True) if v != -math.inf]
+        for j, n in enumerate(wanted)
+    ]

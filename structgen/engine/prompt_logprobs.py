@@ -8,14 +8,14 @@ covers positions already scored (a preempted sequence recomputing its prompt) sc
 
 Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk of a 49k vocabulary would be
 400 MB of float32 for numbers reduced at once to a few per row. On the CPU the reduction (log-normalizer and
-rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. Like the sampled tokens' logprobs
-(`structgen.engine.logprobs`) they are the raw model distribution: no temperature, penalties or mask.
+rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. Like the sampled
+tokens' logprobs (`structgen.engine.logprobs`) they are the raw model distribution: no temperature, penalties or
+mask.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from structgen.engine.logprobs import best_logprobs
 from structgen.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -48,11 +49,10 @@ def prompt_spans(seqs: list[Sequence], num_new_tokens: list[int]) -> list[Prompt
     spans = []
     row = 0
     for seq, n in zip(seqs, num_new_tokens, strict=True):
-        scores = seq.prompt_logprobs
-        if scores is not None and len(scores) < seq.num_prompt_tokens:
+        if seq.scores_prompt:
             start = seq.num_computed_tokens
-            # Position p scores token p + 1; entries 0 .. len(scores) - 1 exist already.
-            low = max(start, len(scores) - 1)
+            # Position p scores token p + 1; entries 0 .. len(prompt_logprobs) - 1 exist already.
+            low = max(start, len(seq.prompt_logprobs) - 1)  # type: ignore[arg-type]
             high = min(start + n, seq.num_prompt_tokens - 1)
             if low < high:
                 spans.append(PromptSpan(seq, row + low - start, low + 1, high - low))
@@ -99,19 +99,19 @@ def score_prompts(
         logits = compute_logits(hidden.index_select(0, index))
         if num_valid_tokens < logits.shape[1]:
             logits[:, num_valid_tokens:] = float("-inf")  # padding rows of the embedding: never tokens
-        entries = _score(logits, target, max(wanted[begin:end]))
+        entries = _score(logits, target, wanted[begin:end])
         for j, (logprob, rank, top) in enumerate(entries):
-            k = wanted[begin + j]
             owners[begin + j].prompt_logprobs.append(  # type: ignore[union-attr]
-                TokenLogprob(targets[begin + j], logprob, top[:k], rank)
+                TokenLogprob(targets[begin + j], logprob, top, rank)
             )
         begin = end
 
 
 def _score(
-    logits: torch.Tensor, target: torch.Tensor, k: int
+    logits: torch.Tensor, target: torch.Tensor, wanted: list[int]
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
-    """(the target's logprob, its rank, the k best (token, logprob) pairs) per row of float32 `logits`."""
+    """(the target's logprob, its rank, the `wanted[j]` best (token, logprob) pairs) per row j of float32
+    `logits`."""
     targets = target.squeeze(1)
     native = _native() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
     if native is not None:
@@ -121,17 +121,9 @@ def _score(
 
         log_norm, rank = token_scores_reference(logits, targets)
     log_norm = log_norm.unsqueeze(1)
-    ranks = rank.tolist()
     logprobs = (logits.gather(1, target) - log_norm).squeeze(1).tolist()
-    if k == 0:
-        return [(lp, r, []) for lp, r in zip(logprobs, ranks, strict=True)]
-    values, ids = logits.topk(min(k, logits.shape[1]), dim=1)
-    values = (values - log_norm).tolist()
-    ids = ids.tolist()
-    return [
-        (lp, r, [(t, v) for t, v in zip(i, vs, strict=True) if v != -math.inf])
-        for lp, r, i, vs in zip(logprobs, ranks, ids, values, strict=True)
-    ]
+    best = best_logprobs(logits, log_norm, wanted)
+    return list(zip(logprobs, rank.tolist(), best, strict=True))
 
 
 @functools.cache
