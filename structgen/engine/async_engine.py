@@ -88,7 +88,12 @@ class AsyncEngine:
         def build() -> LLMEngine:
             engine = LLMEngine(config)
             try:
-                _register_adapters(engine, lora_modules)
+                if lora_modules:
+                    if engine.lora is None:
+                        raise LoRAError(
+                            "LoRA adapters were given, but the engine config has no LoRA (EngineConfig.lora)"
+                        )
+                    engine.lora.add_all(lora_modules)
             except BaseException:
                 engine.shutdown()
                 raise
@@ -385,18 +390,3 @@ def _resolve(future: asyncio.Future[Any], error: BaseException | None, result: A
         future.set_result(result)
     else:
         future.set_exception(error)
-
-
-def _register_adapters(engine: LLMEngine, requests: Sequence[LoRARequest]) -> None:
-    """Register the adapters a server starts with, each error naming its adapter."""
-    if not requests:
-        return
-    if engine.lora is None:
-        raise LoRAError("LoRA adapters were given, but the engine config has no LoRA (EngineConfig.lora)")
-    for request in requests:
-        try:
-            engine.lora.add(request)
-        except LoRAError as error:
-            raise LoRAError(
-                f"LoRA adapter {request.lora_name!r}: {error}", status=error.status, code=error.code
-            ) from None

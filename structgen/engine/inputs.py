@@ -44,6 +44,15 @@ def tokenize_prompt(
     return text, token_ids
 
 
+def resolve_max_model_len(wanted: int | None, *, model_limit: int) -> int:
+    """The engine's context: `max_model_len` as configured (None: the model's own), never beyond the model's."""
+    if wanted is None:
+        return model_limit
+    if wanted > model_limit:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's context of {model_limit} tokens")
+    return wanted
+
+
 def resolve_max_tokens(
     prompt_len: int, max_tokens: int | None, *, max_model_len: int, num_blocks: int, block_size: int
 ) -> int:

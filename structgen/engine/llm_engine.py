@@ -7,6 +7,7 @@ tokens and check stops → return blocks of finished sequences → outputs. Ever
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -18,13 +19,13 @@ import torch
 
 from structgen.config import EngineConfig
 from structgen.engine.block_manager import BlockManager
-from structgen.engine.inputs import PromptInput, resolve_max_tokens, tokenize_prompt
+from structgen.engine.inputs import PromptInput, resolve_max_model_len, resolve_max_tokens, tokenize_prompt
 from structgen.engine.metrics import EngineCounters, EngineStats, engine_stats, note_scheduled
 from structgen.engine.model_runner import LogitsProcessor, ModelRunner
 from structgen.engine.output_processor import OutputProcessor
 from structgen.engine.outputs import RequestOutput
 from structgen.engine.reasoning import new_state
-from structgen.engine.sampler import Sampler, make_generator
+from structgen.engine.sampler import Sampler, fork_generator, make_generator
 from structgen.engine.scheduler import Scheduler
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
 from structgen.engine.speculative import Speculator
@@ -85,7 +86,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         model_config = model.config  # type: ignore[attr-defined]
         self.vocab_size: int = model_config.vocab_size
-        self.max_model_len = self._max_model_len(model_config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(
+            config.scheduler.max_model_len, model_limit=model_config.max_position_embeddings
+        )
         sched_config = config.scheduler
         if (
             not sched_config.enable_chunked_prefill
@@ -134,7 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             sched_config,
             self.block_manager,
-            fork_generator=self._fork_generator,
+            fork_generator=functools.partial(fork_generator, device=self.device),
             max_loras=config.lora.max_loras if config.lora is not None else None,
         )
         self.structured = StructuredOutputs(
@@ -174,14 +177,6 @@ class LLMEngine:
         structured = getattr(self, "structured", None)  # absent when the start failed before it was built
         if structured is not None:
             structured.shutdown()
-
-    def _max_model_len(self, model_limit: int) -> int:
-        wanted = self.config.scheduler.max_model_len
-        if wanted is None:
-            return model_limit
-        if wanted > model_limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's context of {model_limit} tokens")
-        return wanted
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -397,11 +392,6 @@ class LLMEngine:
                 outputs.append(self.output_processor.make_output(request))
         self.scheduler.drop_finished()
         return outputs
-
-    def _fork_generator(self, seq: Sequence, index: int) -> torch.Generator | None:
-        seed = seq.params.seed if seq.params is not None else None
-        # Sample i of a seeded request draws from seed + i, as vLLM derives it.
-        return make_generator(seed + index, self.device) if seed is not None else None
 
     # -- metrics -----------------------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
 from structgen.errors import StructgenError
 from structgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.engine.sequence import Sequence as EngineSequence
 
 
 @dataclass(slots=True)
@@ -86,6 +90,15 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def fork_generator(
+    seq: EngineSequence, index: int, *, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The generator of sample `index` of a request forked into `n` samples (the scheduler's `fork_generator`):
+    sample i of a seeded request draws from seed + i, as vLLM derives it; unseeded samples share the engine's."""
+    seed = seq.params.seed if seq.params is not None else None
+    return make_generator(seed + index, device) if seed is not None else None
 
 
 class Sampler:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +70,16 @@ class LoRAManager:
         served or the name is taken by another adapter (the same name and path again is a no-op)."""
         existing = self._check_new(request)
         return existing if existing is not None else self.register(request, self.read(request))
+
+    def add_all(self, requests: Iterable[LoRARequest]) -> None:
+        """`add` each adapter (those a server starts with), each error naming its adapter."""
+        for request in requests:
+            try:
+                self.add(request)
+            except LoRAError as error:
+                raise LoRAError(
+                    f"LoRA adapter {request.lora_name!r}: {error}", status=error.status, code=error.code
+                ) from None
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check the adapter's files (LoRAError naming what is wrong). Touches no engine state, so a
