@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import islice
 
+from structgen.engine.outputs import TokenLogprob
 from structgen.engine.sequence import Sequence
 
 
@@ -49,6 +50,9 @@ class Block:
     hash: bytes | None = None  # set while registered in the prefix cache
     token_ids: tuple[int, ...] = ()  # what a registered block holds, to verify a hash hit
     parent: bytes = b""  # the hash its chain continues (a registered block's), for partial reuse
+    # A registered block's prompt scores (`structgen.engine.prompt_logprobs`): (the alternatives each entry holds,
+    # one entry per token). They depend only on the tokens up to theirs, which the block's hash chain covers.
+    scores: tuple[int, tuple[TokenLogprob | None, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -192,13 +196,28 @@ class BlockManager:
                 continue  # a prefix hit, or a block shared with a fork that already registered it
             block_hash = self._block_hash(seq, i)
             if block_hash in self._cached:
-                continue  # another sequence computed the same block concurrently; keep the first copy
+                # Another sequence computed the same block (concurrently, or it was cached and this one scores
+                # its prompt): keep the first copy, with this one's prompt scores if it had none.
+                self._keep_scores(self.blocks[self._cached[block_hash]], seq, i)
+                continue
             block.hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.parent = self._block_hash(seq, i - 1) if i else self._root_of(seq)
             self._cached[block_hash] = block.block_id
             self._children.setdefault((block.parent, block.token_ids[0]), {})[block.block_id] = None
+            self._keep_scores(block, seq, i)
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+
+    def _keep_scores(self, block: Block, seq: Sequence, index: int) -> None:
+        """Store the prompt scores of `seq`'s block `index` with the registered `block`, where `seq` scored all
+        its tokens and the block holds none with as many alternatives."""
+        entries = seq.prompt_logprobs
+        bs = self.block_size
+        if entries is None or len(entries) < (index + 1) * bs or seq.params is None:
+            return
+        k = seq.params.prompt_logprobs or 0
+        if block.scores is None or block.scores[0] < k:
+            block.scores = (k, tuple(entries[index * bs : (index + 1) * bs]))
 
     # -- allocation --------------------------------------------------------------------------------------------
 
@@ -285,6 +304,7 @@ class BlockManager:
             block.hash = None
             block.token_ids = ()
             block.parent = b""
+            block.scores = None
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id

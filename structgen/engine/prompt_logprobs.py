@@ -6,6 +6,11 @@ The hidden state at position p gives the distribution of token p + 1, so a prefi
 which is sampled, not scored). Entries are appended to `Sequence.prompt_logprobs` in prompt order; a chunk that
 covers positions already scored (a preempted sequence recomputing its prompt) scores nothing again.
 
+A prompt scored before leaves its scores with its blocks in the prefix cache (`BlockManager.commit`), so a
+later prompt sharing a prefix with it (lm-evaluation-harness asks for one context with each of its answers)
+reuses those blocks with their scores (`cached_scored_prefix`). All but the last of the reused tokens, that is:
+the hidden state of the last one is what scores the first token past them, so it runs through the model again.
+
 Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk of a 49k vocabulary would be
 400 MB of float32 for numbers reduced at once to a few per row. On the CPU the reduction (log-normalizer and
 rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. Like the sampled
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from structgen.engine.block_manager import BlockManager, CachedPrefix, cdiv
 from structgen.engine.logprobs import best_logprobs
 from structgen.engine.outputs import TokenLogprob
 
@@ -58,6 +64,50 @@ def prompt_spans(seqs: list[Sequence], num_new_tokens: list[int]) -> list[Prompt
                 spans.append(PromptSpan(seq, row + low - start, low + 1, high - low))
         row += n
     return spans
+
+
+def cached_scored_prefix(
+    block_manager: BlockManager, seq: Sequence
+) -> tuple[CachedPrefix, list[TokenLogprob | None]]:
+    """The cached prefix a sequence scoring its prompt reuses, and the scores of the prompt positions it covers
+    and the one after (0 .. its tokens), taken from the cached blocks' scores.
+
+    The leading cached blocks that hold scores with at least the alternatives `seq` asks for cover some c
+    tokens; the prefix is the first c - 1 of them (a whole block's last token is reused in part, which copies
+    it), so that the model computes token c - 1 again and its hidden state scores token c."""
+    found = block_manager.find_cached_prefix(seq)
+    wanted = seq.params.prompt_logprobs or 0  # type: ignore[union-attr]
+    bs = block_manager.block_size
+    scores: list[TokenLogprob | None] = []
+    for i, block_id in enumerate(found.blocks):
+        stored = block_manager.blocks[block_id].scores
+        if stored is None or stored[0] < wanted:
+            break
+        last = i == len(found.blocks) - 1
+        scores.extend(
+            _fewer(e, wanted)
+            for e in stored[1][: found.partial_tokens if last and found.partial_tokens else bs]
+        )
+    covered = len(scores)
+    if covered < 2:
+        return CachedPrefix([]), []
+    reused = covered - 1
+    return CachedPrefix(found.blocks[: cdiv(reused, bs)], reused % bs), scores
+
+
+def take_cached_scores(seq: Sequence, scores: list[TokenLogprob | None]) -> None:
+    """After `seq` took a prefix from `cached_scored_prefix` (or the whole blocks of it): its scores up to the
+    first position it computes, past those it holds already (a preempted sequence kept its own)."""
+    entries = seq.prompt_logprobs
+    assert entries is not None
+    entries.extend(scores[len(entries) : seq.num_computed_tokens + 1])
+
+
+def _fewer(entry: TokenLogprob | None, k: int) -> TokenLogprob | None:
+    """`entry` with its `k` best alternatives only (a cached score may hold more than a request asks)."""
+    if entry is None or len(entry.top_logprobs) <= k:
+        return entry
+    return TokenLogprob(entry.token_id, entry.logprob, entry.top_logprobs[:k], entry.rank)
 
 
 def span_rows(spans: list[PromptSpan]) -> list[int]:

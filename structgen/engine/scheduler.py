@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from structgen.config import SchedulerConfig
 from structgen.engine.block_manager import BlockManager, CachedPrefix
+from structgen.engine.prompt_logprobs import cached_scored_prefix, take_cached_scores
 from structgen.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -166,7 +167,11 @@ class Scheduler:
             if len(self.running) + len(forked) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             watermark = self._watermark_blocks if self.running else 0
-            cached = bm.find_cached_prefix(seq) if not seq.scores_prompt else CachedPrefix([])
+            scores = None
+            if seq.scores_prompt:  # only blocks whose prompt scores were kept with them
+                cached, scores = cached_scored_prefix(bm, seq)
+            else:
+                cached = bm.find_cached_prefix(seq)
             num_new = self._prefill_fits(cached, seq, budget, watermark)
             if num_new is None and cached.partial_tokens:
                 # Reusing a block in part costs its copy: where the pool is too small for that (a prompt that
@@ -177,6 +182,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate_cached(seq, cached)
+            if scores:
+                take_cached_scores(seq, scores)
             copies = bm.allocate_slots(seq, num_new)  # a block reused in part is copied first
             assert copies is not None, "can_allocate promised room"
             seq.status = SequenceStatus.RUNNING

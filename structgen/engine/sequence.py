@@ -173,8 +173,8 @@ class Sequence:
 
     @property
     def scores_prompt(self) -> bool:
-        """Whether prompt tokens still wait for their logprobs: the prefill must compute them all, so the prefix
-        cache is not read for it (cached blocks come without the hidden states that score them)."""
+        """Whether prompt tokens still wait for their logprobs: the prefill must compute them, so the prefix cache
+        serves it only blocks that kept their scores (`prompt_logprobs.cached_scored_prefix`)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from structgen.engine.block_manager import BlockManager, CachedPrefix, cdiv
+from structgen.engine.outputs import TokenLogprob
 from structgen.engine.sequence import Sequence
+from structgen.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -289,3 +291,21 @@ def test_disabled_prefix_caching_never_hits() -> None:
 def test_bad_pool_size(num_blocks: int) -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(num_blocks, 16)
+
+
+def test_prompt_scores_stay_with_registered_blocks_until_evicted() -> None:
+    bm = BlockManager(3, BLOCK_SIZE, enable_prefix_caching=True)
+    seq = Sequence(0, list(range(10, 20)), params=SamplingParams(prompt_logprobs=2))
+    seq.prompt_logprobs = [None] + [TokenLogprob(t, -1.0) for t in range(11, 17)]  # scored up to position 6
+    bm.allocate_cached(seq, CachedPrefix([]))
+    assert bm.allocate_slots(seq, 8) == []
+    seq.num_computed_tokens = 8
+    bm.commit(seq)
+    first, second = (bm.blocks[b] for b in seq.block_table)
+    assert first.scores == (2, tuple(seq.prompt_logprobs[:4]))
+    assert second.scores is None  # position 7 is not scored yet: nothing kept for its block
+    bm.free(seq)
+    other = Sequence(1, list(range(50, 62)))
+    bm.allocate_cached(other, CachedPrefix([]))
+    assert bm.allocate_slots(other, 12) == []  # takes the free block and evicts both cached ones
+    assert bm.num_evictions == 2 and all(bm.blocks[b].scores is None for b in other.block_table)

@@ -77,17 +77,53 @@ def test_chunked_prefill_gives_the_same_entries(make_engine: EngineFactory, engi
         assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
 
 
-def test_a_cached_prompt_is_scored_in_full_and_still_cached_for_others(make_engine: EngineFactory) -> None:
+def assert_same_entries(got: list, want: list) -> None:
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert (a.token_id, a.rank) == (b.token_id, b.rank)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=1e-4)
+
+
+def test_a_scored_prompt_leaves_its_scores_in_the_prefix_cache(make_engine: EngineFactory) -> None:
     engine = make_engine(enable_prefix_caching=True)
     first = scored(engine, PROMPT, 1, "first")
+    assert first.num_cached_tokens == 0
     again = scored(engine, PROMPT, 1, "again")
-    assert again.num_cached_tokens == 0  # the cache holds no hidden states to score from
-    assert [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx(
-        [e.logprob for e in first.prompt_logprobs[1:]], abs=1e-5
-    )
+    # 40 tokens: 2 whole blocks kept their scores; the last of their 32 tokens runs again to score token 32.
+    assert again.num_cached_tokens == 31
+    assert_same_entries(again.prompt_logprobs, first.prompt_logprobs)
     engine.add_request("plain", PROMPT, GREEDY, stream=False)
     plain = run_all(engine)["plain"]
     assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+
+
+def test_answers_to_one_context_reuse_its_scores(make_engine: EngineFactory) -> None:
+    # lm-evaluation-harness scores one context with each answer: the context is scored once.
+    context = PROMPT[:37]
+    answers = [PROMPT[37:40] + PROMPT[:9], [7, 8, 9, 10, 11], [12]]
+    engine = make_engine(enable_prefix_caching=True)
+    reference = make_engine(enable_prefix_caching=False)
+    for i, answer in enumerate(answers):
+        out = scored(engine, context + answer, 2, f"answer{i}")
+        alone = scored(reference, context + answer, 2, f"alone{i}")
+        assert_same_entries(out.prompt_logprobs, alone.prompt_logprobs)
+        if i:  # the first answer's 49 tokens left 3 whole blocks: the context's 37 tokens are reused but its last
+            assert out.num_cached_tokens == 36
+
+
+def test_a_request_for_more_alternatives_than_cached_computes_them(make_engine: EngineFactory) -> None:
+    engine = make_engine(enable_prefix_caching=True)
+    reference = make_engine(enable_prefix_caching=False)
+    scored(engine, PROMPT, 1, "k1")
+    more = scored(engine, PROMPT, 3, "k3")
+    assert more.num_cached_tokens == 0  # the cache holds 1 alternative a position
+    assert_same_entries(more.prompt_logprobs, scored(reference, PROMPT, 3, "ref3").prompt_logprobs)
+    # The blocks now hold 3 alternatives a position: 2 are served from them.
+    fewer = scored(engine, PROMPT, 2, "k2")
+    assert fewer.num_cached_tokens == 31
+    assert_same_entries(fewer.prompt_logprobs, scored(reference, PROMPT, 2, "ref2").prompt_logprobs)
 
 
 def test_n_samples_share_one_prompt_scoring(engine: LLMEngine) -> None:
