@@ -8,8 +8,8 @@ Before compiling, `config.limits` (limits.py) refuses a spec whose cost could be
 still queued is cancelled; one running in native code cannot be interrupted, so its thread is abandoned (it
 finishes in the background, niced, and a late result is still cached) and later compiles go to a fresh pool;
 past `max_abandoned_compiles` still running, new compiles are refused (`CompileBusyError`) until some end.
-`fill_bitmask_async` fills the rows of a step's constrained requests on a worker thread while the model
-forward runs; each backend fills its rows in one native batched call.
+`fill_bitmask` fills the rows of a step's constrained requests, each backend's rows in one native batched call;
+`on_mask_thread` runs it (and what reads those rows) on one worker thread while the model forward runs.
 """
 
 from __future__ import annotations
@@ -311,13 +311,6 @@ class StructuredOutputManager:
                     except Exception as error:
                         failures.append((row, error))
         return failures
-
-    def fill_bitmask_async(
-        self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor
-    ) -> Future[FillFailures]:
-        """`fill_bitmask` on the mask thread, to overlap with the model forward; wait on the future before
-        applying the mask."""
-        return self.on_mask_thread(self.fill_bitmask, list(items), bitmask)
 
     def on_mask_thread(self, job: Callable[..., T], *args: Any) -> Future[T]:
         """`job(*args)` on the mask thread, after the fills queued before it (a fill and what reads its rows)."""

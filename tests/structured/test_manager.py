@@ -100,7 +100,8 @@ def test_batched_fill_equals_row_by_row(info, backends, encode) -> None:
                 grammars.append(g)
         rows = list(range(1, 2 * len(grammars), 2))  # every other row: the rest are unconstrained
         batched = manager.allocate_bitmask(2 * len(grammars) + 1)
-        manager.fill_bitmask_async(list(zip(grammars, rows, strict=True)), batched).result(timeout=60)
+        items = list(zip(grammars, rows, strict=True))
+        assert manager.on_mask_thread(manager.fill_bitmask, items, batched).result(timeout=60) == []
         single = manager.allocate_bitmask(2 * len(grammars) + 1)
         for g, row in zip(grammars, rows, strict=True):
             g.fill_bitmask(single, row)
