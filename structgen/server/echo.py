@@ -10,7 +10,7 @@ from typing import Any
 from structgen.engine.outputs import CompletionOutput
 from structgen.server import protocol as p
 from structgen.server.generation import Started, scored_prompt
-from structgen.server.logprobs_body import prompt_completion_logprobs
+from structgen.server.logprobs_body import prompt_completion_logprobs, prompt_offsets
 
 
 @dataclass(slots=True)
@@ -18,7 +18,7 @@ class Echo:
     """What goes before each choice's own tokens, per prompt (choice `i` is prompt `i // n`'s)."""
 
     n: int
-    texts: list[str]  # the prompt as text (token prompts decoded)
+    texts: list[str]  # the prompt as text (`prompt_text`)
     logprobs: list[dict[str, Any]] | None  # the legacy object of the prompt's tokens; None without `logprobs`
     prompt_only: bool  # `max_tokens: 0`: each output goes through `prompt_only`
 
@@ -27,17 +27,18 @@ class Echo:
         """The echo of `body` (None without `echo`)."""
         if not body.echo:
             return None
-        texts = [
-            first.prompt if first.prompt is not None else tokenizer.decode(first.prompt_token_ids)
-            for _, first in started
-        ]
+        texts = [prompt_text(tokenizer, first.prompt, first.prompt_token_ids) for _, first in started]
         logprobs = None
         if body.logprobs is not None:
             logprobs = [
                 prompt_completion_logprobs(
-                    tokenizer, first.prompt_token_ids, scored_prompt(first), top=body.logprobs
+                    tokenizer,
+                    first.prompt_token_ids,
+                    scored_prompt(first),
+                    prompt_offsets(tokenizer, first.prompt_token_ids, text),
+                    top=body.logprobs,
                 )
-                for _, first in started
+                for (_, first), text in zip(started, texts, strict=True)
             ]
         return cls(n, texts, logprobs, body.scores_prompt_only)
 
@@ -50,6 +51,16 @@ class Echo:
     def output(self, output: CompletionOutput) -> CompletionOutput:
         """The output as the choice reports it."""
         return prompt_only(output) if self.prompt_only else output
+
+
+def prompt_text(tokenizer: Any, prompt: str | None, token_ids: list[int]) -> str:
+    """The echoed text of a prompt: the request's text, or a token prompt decoded with its special tokens (a BOS
+    is part of the prompt; vLLM decodes it so too), so that each of its tokens has its place in the text. Ids
+    past the tokenizer (a model's padded embedding rows, which the engine accepts) have no text."""
+    if prompt is not None:
+        return prompt
+    known = [t for t in token_ids if 0 <= t < tokenizer.vocab_size]
+    return tokenizer.decode(known, skip_special_tokens=False)
 
 
 def prompt_only(output: CompletionOutput) -> CompletionOutput:

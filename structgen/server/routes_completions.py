@@ -15,6 +15,7 @@ from structgen.server.dispatch import Finished, dispatch
 from structgen.server.echo import Echo
 from structgen.server.generation import Call, Started, scored_prompt
 from structgen.server.logprobs_body import (
+    SampledOffsets,
     completion_logprobs,
     joined_completion_logprobs,
     vllm_prompt_logprobs,
@@ -33,7 +34,9 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
 
         def events(call: Call, started: list[Started]) -> Any:
             echo = Echo.of(ctx.tokenizer, body, started, params.n)
-            return completion_chunks(call, started, params.n, include_usage, echo)
+            return completion_chunks(
+                call, started, params.n, include_usage, echo, skip_special_tokens=params.skip_special_tokens
+            )
 
         # A raw completion continues the prompt as it is: there is no chat turn for a reasoning phase to open, so
         # the engine's reasoning parser stays off (any grammar applies from the first token and the whole output
@@ -62,7 +65,7 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
             a.CompletionChoice(
                 index=i,
                 text=(echo.text(i) if echo is not None else "") + o.text,
-                logprobs=_logprobs(ctx, o, echo, i),
+                logprobs=_logprobs(ctx, o, echo, i, skip_special_tokens=params.skip_special_tokens),
                 finish_reason=o.finish_reason,
                 structured=a.StructuredInfo.of(o),
                 prompt_logprobs=prompt_logprobs[i // params.n],
@@ -79,14 +82,15 @@ def add_completions_route(router: APIRouter, ctx: ServerContext) -> None:
 
 
 def _logprobs(
-    ctx: ServerContext, output: CompletionOutput, echo: Echo | None, choice: int
+    ctx: ServerContext, output: CompletionOutput, echo: Echo | None, choice: int, *, skip_special_tokens: bool
 ) -> dict[str, Any] | None:
     """The choice's legacy `logprobs` object: the echoed prompt's tokens (offsets from the text's start), then
-    the sampled ones (offsets after the prompt's text)."""
+    the sampled ones (offsets in the sampled text, after the prompt's)."""
     if output.logprobs is None:
         return None
-    if echo is None:
-        return completion_logprobs(ctx.tokenizer, output.logprobs)
-    sampled = completion_logprobs(ctx.tokenizer, output.logprobs, offset=len(echo.text(choice)))
-    prompt = echo.prompt_logprobs(choice)
+    start = len(echo.text(choice)) if echo is not None else 0
+    offsets = SampledOffsets(ctx.tokenizer, start=start, skip_special_tokens=skip_special_tokens)
+    offsets.push(e.token_id for e in output.logprobs)
+    sampled = completion_logprobs(ctx.tokenizer, output.logprobs, offsets.settled(output.text))
+    prompt = echo.prompt_logprobs(choice) if echo is not None else None
     return joined_completion_logprobs(prompt, sampled) if prompt is not None else sampled

@@ -19,7 +19,7 @@ from structgen.server import answers as a
 from structgen.server.echo import Echo
 from structgen.server.errors import APIError, error_body
 from structgen.server.generation import Call, Started, outputs, prompt_tokens
-from structgen.server.logprobs_body import chat_logprobs, completion_logprobs
+from structgen.server.logprobs_body import SampledOffsets, chat_logprobs, completion_logprobs
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -147,10 +147,18 @@ def _chat_logprobs(call: Call, entries: list[Any] | None) -> dict[str, Any] | No
 
 
 async def completion_chunks(
-    call: Call, started: list[Started], n: int, include_usage: bool, echo: Echo | None = None
+    call: Call,
+    started: list[Started],
+    n: int,
+    include_usage: bool,
+    echo: Echo | None = None,
+    *,
+    skip_special_tokens: bool = True,
 ) -> AsyncIterator[dict[str, Any]]:
     """Text completion chunks; with `echo` each choice starts with a chunk of its prompt (and the prompt's
-    logprobs), and the offsets of its sampled tokens' logprobs count from after the prompt's text."""
+    logprobs), and the offsets of its sampled tokens' logprobs count from after the prompt's text. A token's
+    entry goes out once its place in the text is settled (`SampledOffsets`): a token whose text the engine
+    still holds back (a stop string's possible start) waits, so the offsets are those of the plain answer."""
 
     def chunk(
         index: int,
@@ -171,6 +179,7 @@ async def completion_chunks(
     for index in range(n * len(started)) if echo is not None else ():
         yield chunk(index, echo.text(index), echo.prompt_logprobs(index))
     finals: dict[int, CompletionOutput] = {}
+    offsets: dict[int, SampledOffsets] = {}  # per choice: its tokens' places
     sent: dict[int, int] = {}  # logprob entries already sent, per choice
     async for index, o in _choice_outputs(call, started, n):
         if echo is not None:
@@ -179,13 +188,20 @@ async def completion_chunks(
             finals[index] = o
         if o.delta_text or o.finished:
             logprobs = None
-            if (
-                o.logprobs is not None
-            ):  # the tokens since the last chunk (a partial character waits for its end)
+            if o.logprobs is not None:
+                places = offsets.get(index)
+                if places is None:
+                    after = len(echo.text(index)) if echo is not None else 0
+                    places = offsets[index] = SampledOffsets(
+                        call.tokenizer, start=after, skip_special_tokens=skip_special_tokens
+                    )
                 start = sent.get(index, 0)
-                offset = len(o.text) - len(o.delta_text) + (len(echo.text(index)) if echo is not None else 0)
-                logprobs = completion_logprobs(call.tokenizer, o.logprobs[start:], offset=offset)
-                sent[index] = len(o.logprobs)
+                places.push(e.token_id for e in o.logprobs[len(places) :])
+                settled = places.settled(o.text, since=start, finished=o.finished)
+                logprobs = completion_logprobs(
+                    call.tokenizer, o.logprobs[start : start + len(settled)], settled
+                )
+                sent[index] = start + len(settled)
             structured = a.StructuredInfo.of(o) if o.finished else None
             yield chunk(index, o.delta_text, logprobs, o.finish_reason, structured)
     usage = call.finish(prompt_tokens(started), list(finals.values()))

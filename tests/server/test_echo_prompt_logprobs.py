@@ -45,16 +45,21 @@ def completion(app: Any, **body: Any) -> dict[str, Any]:
 
 def assert_prompt_part(engine: AsyncEngine, logprobs: dict[str, Any], prompt: str, top: int) -> None:
     """The legacy object's first entries are the prompt's tokens: no logprob for the first, then each token's
-    logprob with the `top` most likely tokens there (no more likely than the best of them)."""
+    logprob with the `top` most likely tokens there and the prompt's own token (vLLM's and OpenAI's legacy
+    `logprobs + 1`), listed first with its own logprob."""
     ids = prompt_ids(engine, prompt)
     count = len(ids)
     assert logprobs["tokens"][:count] == [text_of(engine, t) for t in ids]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    for logprob, alternatives in zip(
-        logprobs["token_logprobs"][1:count], logprobs["top_logprobs"][1:count], strict=True
+    for token, logprob, alternatives in zip(
+        logprobs["tokens"][1:count],
+        logprobs["token_logprobs"][1:count],
+        logprobs["top_logprobs"][1:count],
+        strict=True,
     ):
-        assert logprob <= 0 and 1 <= len(alternatives) <= top
-        assert max(alternatives.values()) >= logprob - 1e-5
+        assert logprob <= 0 and 1 <= len(alternatives) <= top + 1
+        assert next(iter(alternatives)) == token and alternatives[token] == logprob
+        assert max(alternatives.values()) >= logprob
     offsets = logprobs["text_offset"][:count]
     assert offsets[0] == 0
     for offset, token in zip(offsets, logprobs["tokens"][:count], strict=True):
@@ -121,7 +126,11 @@ def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(
     tokens = completion(app, prompt=ids, max_tokens=0, echo=True, logprobs=0)
     assert tokens["choices"][0]["text"] == OTHER
     assert tokens["choices"][0]["logprobs"]["tokens"] == [text_of(engine, t) for t in ids]
-    assert tokens["choices"][0]["logprobs"]["top_logprobs"][1:] == [{}] * (len(ids) - 1)
+    # `logprobs: 0`: each position lists the prompt's own token alone, as vLLM answers.
+    echoed = tokens["choices"][0]["logprobs"]
+    assert echoed["top_logprobs"][1:] == [
+        {text_of(engine, t): lp} for t, lp in zip(ids[1:], echoed["token_logprobs"][1:], strict=True)
+    ]
     assert tokens["usage"]["completion_tokens"] == 0
 
 
