@@ -65,7 +65,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._dead: BaseException | None = None
-        # Callers waiting on a command that has not run yet (`generate`'s add, `_on_step_thread`): failed at once if
+        # Callers waiting on a command that has not run yet (`generate`'s add, `on_step_thread`): failed at once if
         # the step loop dies first.
         self._adding: dict[asyncio.Future[Any], asyncio.AbstractEventLoop] = {}
         self._loras: dict[str, ServedLoRA] = {}  # replaced whole by the step thread, read anywhere
@@ -223,16 +223,16 @@ class AsyncEngine:
         if request.lora_name in self._loras:
             # `add` answers a known name from the registry (that adapter, or the error for another path)
             # without reading any file on the step thread.
-            return await self._on_step_thread(lambda: manager.add(request), refresh_loras=True)
+            return await self.on_step_thread(lambda: manager.add(request), refresh_loras=True)
         # Reading touches no engine state: a worker thread does it while the steps go on.
         adapter = await asyncio.to_thread(manager.read, request)
-        return await self._on_step_thread(lambda: manager.register(request, adapter), refresh_loras=True)
+        return await self.on_step_thread(lambda: manager.register(request, adapter), refresh_loras=True)
 
     async def remove_lora(self, name: str) -> ServedLoRA:
         """Unregister adapter `name`: new requests cannot name it, running ones finish with it. `LoRAError`
         (404) for a name no adapter has."""
         manager = self._lora_manager()
-        return await self._on_step_thread(lambda: manager.remove(name), refresh_loras=True)
+        return await self.on_step_thread(lambda: manager.remove(name), refresh_loras=True)
 
     def _lora_manager(self) -> LoRAManager:
         manager = self.engine.lora
@@ -272,7 +272,7 @@ class AsyncEngine:
             self._wakeup.notify()
             return True
 
-    async def _on_step_thread(self, fn: Callable[[], T], *, refresh_loras: bool = False) -> T:
+    async def on_step_thread(self, fn: Callable[[], T], *, refresh_loras: bool = False) -> T:
         """`fn()` run by the step thread between steps: its result, or what it raised."""
         self._check_alive()
         loop = asyncio.get_running_loop()

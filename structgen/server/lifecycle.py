@@ -45,13 +45,17 @@ class Ticket:
 
     @contextmanager
     def queued(self, request_id: str) -> Iterator[None]:
-        """Count `request_id` as waiting (for admission control) until its first output arrives."""
+        """Count `request_id` as waiting (for admission control) until its first output arrives; then (not when
+        it failed to start) run the hook `Lifecycle.on_start` holds for it."""
         self.request_ids.append(request_id)
         self._lifecycle.num_queued += 1
         try:
             yield
         finally:
             self._lifecycle.num_queued -= 1
+        hook = self._lifecycle.start_hooks.pop(request_id, None)
+        if hook is not None:
+            hook()
 
     def close(self) -> None:
         if not self._closed:
@@ -67,11 +71,24 @@ class Lifecycle:
         self.num_queued = 0
         self.draining = False
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        # Engine request id -> what to call once it has produced its first output (`on_start`).
+        self.start_hooks: dict[str, Callable[[], None]] = {}
 
     def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Await `hook` as draining starts (every drain: a hook must be idempotent). For work no client waits on
         once the server is gone (background responses), which would otherwise hold shutdown for its timeout."""
         self._drain_hooks.append(hook)
+
+    @contextmanager
+    def on_start(self, request_id: str, hook: Callable[[], None]) -> Iterator[None]:
+        """Within this block, call `hook` once the engine request `request_id` has produced its first output: it
+        left the engine's queue and runs. For work no client waits on (a background response), which reports
+        when it stops being `queued`; a plain answer (`stream=False`) sends nothing else until it finishes."""
+        self.start_hooks[request_id] = hook
+        try:
+            yield
+        finally:
+            self.start_hooks.pop(request_id, None)
 
     def open(self) -> Ticket:
         if self.draining:

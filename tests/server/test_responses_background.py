@@ -1,8 +1,9 @@
 """Background responses (`background: true`) over the `tiny` engine behind a real uvicorn (an ASGI call per
 event loop would end the loop, and the task with it): queued at once, then the plain answer on poll; cancel
-(idempotent, aborting the engine request), cancel refusals, delete and shutdown while running, failures as
-`status: "failed"` with an error, the refusals, the store never evicting a running response, and the `openai`
-SDK's create / retrieve / cancel."""
+(idempotent, aborting the engine request), cancel refusals, delete and shutdown while running, failures in the
+engine as `status: "failed"` with an error, what the pipeline refuses before the engine runs as the plain
+request's 400 on the POST, the refusals, the store never evicting a running response, and the `openai` SDK's
+create / retrieve / cancel. Streamed background responses: `test_responses_resume.py`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ BROKEN = {
     "name": "b",
     "schema": {"type": "object", "properties": {"a": {"$ref": "#/x"}}},
 }
+# A strict function tool whose parameters no grammar enforces exactly.
+LOOSE_TOOL = {
+    "type": "function",
+    "name": "f",
+    "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
+}
+# Longer than the tiny engine's whole KV cache: the engine refuses it as it adds the request.
+TOO_LONG = "Count. " * 2000
 
 
 @pytest.fixture(scope="module")
@@ -142,28 +151,40 @@ def test_cancel_refuses_finished_and_plain_responses(client: httpx.Client) -> No
     assert_error(client.post("/v1/responses/resp_nope/cancel"), 404, "not found")
 
 
-@pytest.mark.parametrize(
-    ("extra", "words"),
-    [({"store": False}, ["store=true"]), ({"stream": True}, ["stream", "GET /v1/responses"])],
-)
-def test_refusals_name_background(client: httpx.Client, extra: dict[str, Any], words: list[str]) -> None:
+def test_background_needs_store(client: httpx.Client) -> None:
     error = assert_error(
-        client.post("/v1/responses", json=GREEDY | extra | {"background": True}), 400, *words
+        client.post("/v1/responses", json=GREEDY | {"store": False, "background": True}), 400, "store=true"
     )
     assert error["param"] == "background"
 
 
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"text": {"format": BROKEN}}, "text.format", "unsupported_schema"),  # fails to compile
+        ({"tools": [LOOSE_TOOL]}, "tools", "invalid_tools"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "invalid_value"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_the_pipeline_refuses_is_a_400_on_the_post(
+    client: httpx.Client, extra: dict[str, Any], param: str, code: str, stream: bool
+) -> None:
+    """Refused with the plain request's error before anything is queued, not `queued` and `failed` later."""
+    plain = assert_error(client.post("/v1/responses", json=GREEDY | extra), 400)
+    refused = client.post("/v1/responses", json=GREEDY | extra | {"background": True, "stream": stream})
+    assert assert_error(refused, 400) == plain
+    assert (plain["param"], plain["code"]) == (param, code)
+
+
 def test_a_failing_background_response_is_failed_with_its_error(client: httpx.Client) -> None:
-    rid = background(client, **GREEDY, text={"format": BROKEN})["id"]
+    """What only the engine refuses (the prompt does not fit its KV cache) fails the queued response."""
+    rid = background(client, **(GREEDY | {"input": TOO_LONG}))["id"]
     failed = poll(client, rid)
     assert failed["status"] == "failed" and failed["output"] == [] and failed["usage"] is None
     message = failed["error"]["message"]
-    assert (
-        failed["error"]["code"] == "invalid_prompt"
-        and message.startswith("text.format: ")
-        and "$ref" in message
-    )
-    assert message.endswith("(unsupported_schema)")
+    assert failed["error"]["code"] == "invalid_prompt" and "KV cache" in message, message
+    assert message.endswith("(invalid_request)")
     assert_error(client.post(f"/v1/responses/{rid}/cancel"), 400, "Cannot cancel a failed")
 
 

@@ -1,45 +1,51 @@
 """Background responses (`background: true`, OpenAI's background mode): the POST answers at once with the stored
 Response in status `queued`, and the generation runs as an asyncio task on the event loop, through the same chat
-pipeline as a plain request. The client polls `GET /v1/responses/{id}`: `in_progress` while the task runs, then
-the Response a plain request would have answered (`completed` / `incomplete`, output, usage), or `failed` with
-OpenAI's `error: {"code", "message"}`. `POST /v1/responses/{id}/cancel` (and `DELETE`, and server shutdown)
-cancels the task, which aborts its engine requests as a client that hangs up does.
+pipeline as a plain request. The client polls `GET /v1/responses/{id}`: `queued` until the engine runs the
+request (its first output), `in_progress` while it does, then the Response a plain request would have answered
+(`completed` / `incomplete`, output, usage), or `failed` with OpenAI's `error: {"code", "message"}`.
+`POST /v1/responses/{id}/cancel` (and `DELETE`, and server shutdown) cancels the task, which aborts its engine
+requests as a client that hangs up does.
 
-Resumable streams (`background` with `stream`) are not supported: the request is a 400.
+With `stream` too (a resumable stream) the POST answers with the stream instead: the generation's events are
+recorded in the response's `EventLog` (`replay.py`), which the POST and any `GET ?stream=true` read, and the
+response runs on whoever reads it. The stream ends with the response: `response.completed` / `.incomplete` as a
+plain stream does, `response.failed` (after an `error` event when the generation failed mid-stream), or
+`response.cancelled` with the cancelled Response.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from starlette.types import Message
 
 from structgen.server.context import ServerContext
 from structgen.server.errors import APIError
+from structgen.server.generation import Call, Started
+from structgen.server.lifecycle import Lifecycle
 from structgen.server.responses.convert import responses_error
+from structgen.server.responses.events import response_events
+from structgen.server.responses.output import cached_tokens
 from structgen.server.responses.protocol import ResponsesRequest
 from structgen.server.responses.store import ResponseStore, StoredResponse
+from structgen.server.routes_chat import ChatAnswer
 
 logger = logging.getLogger("structgen.server")
 
 # The statuses of a background response whose task has not finished.
 PENDING = ("queued", "in_progress")
+Work = Callable[[], Awaitable[dict[str, Any]]]
 
 
 def check_background(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) -> None:
     """400 for a background request this server cannot take; the admission errors (429 / 503) a plain request
     would get now, so a busy or draining server refuses the POST instead of storing a response that fails."""
-    if body.stream:
-        raise APIError(
-            400,
-            "background mode with stream: true (resumable streams) is not supported: send background: true "
-            "without stream and poll GET /v1/responses/{id}, or stream without background",
-            param="background",
-        )
     if not body.store:
         raise APIError(400, "Background mode requires store=true", param="background")
     if store.capacity == 0:
@@ -63,36 +69,74 @@ def detached(request: Request, response_id: str) -> Request:
     return Request({**request.scope, "state": {"request_id": response_id}}, receive=never)
 
 
-def start_background(
-    store: ResponseStore, entry: StoredResponse, work: Callable[[], Awaitable[dict[str, Any]]]
-) -> None:
+def start_background(lifecycle: Lifecycle, store: ResponseStore, entry: StoredResponse, work: Work) -> None:
     """Store the queued `entry` and run `work` (the finished Response object) in a task whose outcome replaces it."""
     response_id = entry.response["id"]
-    task = asyncio.create_task(_run(store, entry, work), name=f"background response {response_id}")
+    task = asyncio.create_task(_run(lifecycle, store, entry, work), name=f"background response {response_id}")
+    # A task cancelled before it ran never enters `_run`: the callback settles every cancelled one.
+    task.add_done_callback(lambda done: _cancelled(store, entry) if done.cancelled() else None)
     store.track(response_id, task)  # before `put`: a running entry is never evicted, this one included
     store.put(entry)
 
 
-async def _run(
-    store: ResponseStore, entry: StoredResponse, work: Callable[[], Awaitable[dict[str, Any]]]
-) -> None:
+async def _run(lifecycle: Lifecycle, store: ResponseStore, entry: StoredResponse, work: Work) -> None:
     response_id = entry.response["id"]
-    _update(store, entry, status="in_progress")
     try:
-        response = await work()
-    except asyncio.CancelledError:
-        _update(store, entry, status="cancelled")
-        raise
+        with lifecycle.on_start(response_id, lambda: _move(store, entry, {"status": "in_progress"})):
+            response = await work()
     except APIError as error:
-        _update(store, entry, status="failed", error=_error_of(error))
+        _failed(store, entry, _error_of(error))
         return
     except Exception:
         logger.exception("background response %s failed", response_id)
         message = "the server failed while generating this response"
-        _update(store, entry, status="failed", error={"code": "server_error", "message": message})
+        _failed(store, entry, {"code": "server_error", "message": message})
         return
-    context = [*entry.context, *response["output"]]
-    store.replace(StoredResponse(response=response, input_items=entry.input_items, context=context))
+    finished(store, entry, response)
+    # A stream has sent its final event already (`Recording`): this only counts its events against the store's.
+    _end_stream(store, entry, response)
+
+
+def finished(store: ResponseStore, entry: StoredResponse, response: dict[str, Any]) -> None:
+    """`entry` has its final Response `response` (`completed` / `incomplete`): its output joins the context."""
+    _move(store, entry, response, context=[*entry.context, *response["output"]])
+
+
+def _failed(store: ResponseStore, entry: StoredResponse, error: dict[str, str]) -> None:
+    _end_stream(store, entry, _move(store, entry, {"status": "failed", "error": error}))
+
+
+def _cancelled(store: ResponseStore, entry: StoredResponse) -> None:
+    _end_stream(store, entry, _move(store, entry, {"status": "cancelled"}))
+
+
+def _end_stream(store: ResponseStore, entry: StoredResponse, response: dict[str, Any]) -> None:
+    """End `entry`'s stream (if it has one) with the final event of `response` as it ended (`response.failed`,
+    `.cancelled`), unless the stream has ended already."""
+    if entry.events is not None:
+        entry.events.end(f"response.{response['status']}", response)
+        store.trim_logs()
+
+
+def _move(
+    store: ResponseStore,
+    entry: StoredResponse,
+    fields: dict[str, Any],
+    *,
+    context: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """`entry`'s Response with `fields` changed, stored unless the response has left `PENDING` meanwhile
+    (cancelled, or finished while its task winds down: that one stays) or was deleted; returns the Response
+    as it now is."""
+    current = store.peek(entry.response["id"])
+    if current is not None and current.response["status"] not in PENDING:
+        return current.response
+    response = entry.response | fields
+    if current is not None:
+        store.replace(
+            replace(current, response=response, context=current.context if context is None else context)
+        )
+    return response
 
 
 def _error_of(error: APIError) -> dict[str, str]:
@@ -124,12 +168,61 @@ def cancel_background(store: ResponseStore, response_id: str) -> dict[str, Any]:
         return response
     if status not in PENDING:
         raise APIError(400, f"Cannot cancel a {status} response", code="response_not_cancellable")
-    store.cancel(response_id)
-    return _update(store, entry, status="cancelled")
+    store.cancel(response_id)  # its stream ends (`response.cancelled`) once the task has stopped
+    return _move(store, entry, {"status": "cancelled"})
 
 
-def _update(store: ResponseStore, entry: StoredResponse, **fields: Any) -> dict[str, Any]:
-    """`entry`'s Response with `fields` changed, stored unless the response was deleted meanwhile."""
-    response = entry.response | fields
-    store.replace(StoredResponse(response=response, input_items=entry.input_items, context=entry.context))
-    return response
+@dataclass(slots=True)
+class Recording:
+    """The generation of a background stream, run without a client: `rewrite` (a `run_chat` rewriter) records its
+    events in `entry.events`, and `drain` runs the pipeline's SSE response to its end."""
+
+    store: ResponseStore
+    entry: StoredResponse
+    head: dict[str, Any]  # `output.response_head`
+    final: dict[str, Any] | None = None
+    error: APIError | None = None
+
+    def rewrite(
+        self, call: Call, started: list[Started], chunks: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        events = response_events(
+            chunks,
+            head=self.head,
+            cached_tokens=cached_tokens(started),
+            on_done=self._done,
+            on_error=self._error,
+            queued=True,  # the POST sent `queued_events`
+        )
+        return self._record(events)
+
+    def _done(self, response: dict[str, Any]) -> None:
+        # Stored before `response.completed` goes out, as a plain stream does: a reader of that event that
+        # fetches the response finds it finished.
+        self.final = response
+        finished(self.store, self.entry, response)
+
+    def _error(self, error: APIError) -> None:
+        self.error = error
+
+    async def _record(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        # The SSE response this feeds has no client: the events go to the log only (encoded once, there).
+        log = self.entry.events
+        assert log is not None
+        async for event in events:
+            log.append(event)
+        return
+        yield  # an async generator that yields nothing
+
+    async def drain(self, answer: StreamingResponse | ChatAnswer) -> dict[str, Any]:
+        """Run `answer` (what `run_chat` returned) to its end: the final Response, or raise the stream's error."""
+        assert isinstance(answer, StreamingResponse)  # a streamed request
+        try:
+            async for _ in answer.body_iterator:
+                pass
+        finally:
+            if answer.background is not None:  # closes the ticket even when the body never started
+                await answer.background()
+        if self.final is not None:
+            return self.final
+        raise self.error or APIError(500, "the stream ended without its final event", code="internal_error")

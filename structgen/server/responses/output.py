@@ -12,6 +12,7 @@ import time
 from typing import Any, Literal
 
 from structgen.server import answers as a
+from structgen.server.generation import Started
 from structgen.server.responses.convert import echo_tools
 from structgen.server.responses.protocol import (
     InputTokensDetails,
@@ -280,3 +281,8 @@ def usage_of(usage: dict[str, Any], cached_tokens: int) -> ResponseUsage:
         output_tokens_details=OutputTokensDetails(reasoning_tokens=details.get("reasoning_tokens", 0)),
         total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
     )
+
+
+def cached_tokens(started: list[Started]) -> int:
+    """Prompt tokens served from the prefix cache."""
+    return sum(first.num_cached_tokens for _, first in started)

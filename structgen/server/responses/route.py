@@ -2,10 +2,13 @@
 `POST /v1/responses/{id}/cancel` and `GET /v1/responses/{id}/input_items`.
 
 A request is served by the chat pipeline (`routes_chat.run_chat`): converted into a `ChatCompletionRequest`,
-answered, and the answer (or its chunk stream) converted back. A `background: true` request (`store: true`, no
-`stream`) is answered at once with its stored `queued` Response while the same pipeline runs it in a task
-(`background.py`); `cancel` stops such a task, and answers a 400 for a response not created in the background or
-already finished, as OpenAI does. `DELETE` of a running background response cancels it too.
+answered, and the answer (or its chunk stream) converted back. A `background: true` request (`store: true`) is
+checked as far as the pipeline would before its engine request runs (`prepare.py`: a 400 now, not a `failed`
+response later), then answered at once with its stored `queued` Response (or with `stream`, its resumable event
+stream) while the same pipeline runs it in a task (`background.py`); `cancel` stops such a task, and answers a
+400 for a response not created in the background or already finished, as OpenAI does. `DELETE` of a running
+background response cancels it too. `GET /v1/responses/{id}?stream=true[&starting_after=N]` streams the events
+of a response created with `background` and `stream`, after N, then live (`replay.py`).
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ from structgen.server.generation import Call, Started
 from structgen.server.openapi import generation_responses
 from structgen.server.responses.background import (
     PENDING,
+    Recording,
     cancel_background,
     check_background,
     detached,
     start_background,
 )
 from structgen.server.responses.convert import chat_request, input_items, responses_error
-from structgen.server.responses.events import response_events
-from structgen.server.responses.output import from_choice, response_head, response_object, usage_of
+from structgen.server.responses.events import queued_events, response_events
+from structgen.server.responses.output import (
+    cached_tokens,
+    from_choice,
+    response_head,
+    response_object,
+    usage_of,
+)
+from structgen.server.responses.prepare import check_prepared
 from structgen.server.responses.protocol import (
     DeletedResponse,
     InputItemList,
@@ -36,6 +47,7 @@ from structgen.server.responses.protocol import (
     ResponsesRequest,
     new_id,
 )
+from structgen.server.responses.replay import EventLog, cursor, event_stream
 from structgen.server.responses.store import ResponseStore, StoredResponse
 from structgen.server.routes_chat import ChatAnswer, ChunkStream, run_chat
 from structgen.server.routes_models import resolve_model
@@ -58,9 +70,29 @@ def add_responses_routes(router: APIRouter, ctx: ServerContext) -> ResponseStore
         except APIError as error:
             raise responses_error(error) from None
 
-    @router.get("/responses/{response_id}", response_model=Response)
-    async def retrieve(response_id: str) -> JSONResponse:
-        return JSONResponse(store.get(response_id).response)
+    # With `stream=true`: the response's events (`replay.py`), as SSE.
+    @router.get("/responses/{response_id}", response_model=None, responses=generation_responses(Response))
+    async def retrieve(
+        response_id: str, stream: bool = False, starting_after: str | None = None
+    ) -> JSONResponse | StreamingResponse:
+        entry = store.get(response_id)
+        if not stream:
+            return JSONResponse(entry.response)
+        if not entry.streamed:
+            raise APIError(
+                400,
+                f"response {response_id!r} was not created with background=true and stream=true: only such a "
+                "response can be streamed (GET it without stream)",
+                param="stream",
+            )
+        if entry.events is None:
+            raise APIError(
+                400,
+                f"the events of response {response_id!r} are no longer kept (the server keeps a bounded amount "
+                "of finished responses' events, least recently used dropped first): GET it without stream",
+                param="stream",
+            )
+        return event_stream(entry.events, cursor(entry.events, starting_after))
 
     @router.delete("/responses/{response_id}")
     async def delete(response_id: str) -> DeletedResponse:
@@ -126,21 +158,32 @@ async def _create(ctx: ServerContext, store: ResponseStore, body: ResponsesReque
             store.put(entry)
 
     def rewrite(call: Call, started: list[Started], chunks: ChunkStream) -> ChunkStream:
-        return response_events(chunks, head=head, cached_tokens=_cached(started), on_done=remember)
+        return response_events(chunks, head=head, cached_tokens=cached_tokens(started), on_done=remember)
 
     if body.background:
         request.state.request_id = head["id"]  # the POST's log line names the response it queued
+        await check_prepared(ctx, chat)
+        queued = response_object(head, status="queued").model_dump()
+        log = EventLog() if body.stream else None
+        entry = StoredResponse(
+            response=queued, input_items=items, context=[*context, *items], streamed=body.stream, events=log
+        )
+        background = detached(request, head["id"])
 
         async def work() -> dict[str, Any]:
-            answer = await run_chat(ctx, detached(request, head["id"]), chat, request_id=head["id"])
-            assert isinstance(answer, ChatAnswer)  # not streamed
-            return _response(head, answer)
+            if log is None:
+                answer = await run_chat(ctx, background, chat, request_id=head["id"])
+                assert isinstance(answer, ChatAnswer)  # not streamed
+                return _response(head, answer)
+            recording = Recording(store, entry, head)
+            answer = await run_chat(ctx, background, chat, request_id=head["id"], rewrite=recording.rewrite)
+            return await recording.drain(answer)
 
-        queued = response_object(head, status="queued").model_dump()
-        start_background(
-            store, StoredResponse(response=queued, input_items=items, context=[*context, *items]), work
-        )
-        return JSONResponse(queued)
+        if log is not None:
+            for event in queued_events(queued):
+                log.append(event)
+        start_background(ctx.lifecycle, store, entry, work)
+        return JSONResponse(queued) if log is None else event_stream(log, -1)
     answer = await run_chat(ctx, request, chat, request_id=head["id"], rewrite=rewrite)
     if isinstance(answer, StreamingResponse):
         return answer
@@ -158,11 +201,6 @@ def _response(head: dict[str, Any], answer: ChatAnswer) -> dict[str, Any]:
         head,
         status=status,
         output=output,
-        usage=usage_of(usage.model_dump(), _cached(answer.started)),
+        usage=usage_of(usage.model_dump(), cached_tokens(answer.started)),
         structured=choice.structured,
     ).model_dump()
-
-
-def _cached(started: list[Started]) -> int:
-    """Prompt tokens served from the prefix cache."""
-    return sum(first.num_cached_tokens for _, first in started)

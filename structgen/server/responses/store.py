@@ -8,35 +8,42 @@ same 404 as one never stored. Nothing survives a restart; every access happens o
 A background response (`background.py`) is stored at once and runs as a task the store tracks: deleting the
 response cancels it, and so does `close()` (server shutdown). A running entry is never evicted: its client polls
 for it, and cancelling work it is waiting for would be the surprise; how many run at once is bounded by the
-admission limits anyway, so the store overshoots its size by at most that many while they run.
+admission limits anyway, so the store overshoots its size by at most that many while they run. A response
+created with `background` and `stream` keeps its stream's events with it (`replay.py`), bounded apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from structgen.server.errors import APIError
+from structgen.server.responses.replay import MAX_STORED_LOG_BYTES, EventLog
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class StoredResponse:
     """`response`: the Response object as it was answered; `input_items`: the request's own input items (with
     ids); `context`: every item of the conversation up to and including this response's output, instructions
-    excluded (OpenAI does not carry them over), which is what a follow-up request continues from."""
+    excluded (OpenAI does not carry them over), which is what a follow-up request continues from. `streamed`:
+    created with `background` and `stream`, whose stream's events `events` keeps (None once they were dropped
+    for room, `trim_logs`)."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     context: list[dict[str, Any]]
+    streamed: bool = False
+    events: EventLog | None = None
 
 
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, log_bytes: int = MAX_STORED_LOG_BYTES) -> None:
         if capacity < 0:
             raise ValueError(f"the responses store size must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.log_bytes = log_bytes  # the most stream events finished responses keep, all together
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # background responses still running
 
@@ -64,6 +71,23 @@ class ResponseStore:
         key = entry.response["id"]
         if key in self._entries:
             self._entries[key] = entry
+
+    def trim_logs(self) -> None:
+        """Drop the stream events of finished responses, least recently used first, while all the responses'
+        events together take more than `log_bytes`. The responses stay; only streaming them again is refused.
+        (Running ones keep theirs, each bounded by `replay.MAX_LOG_BYTES`.)"""
+        logs = [(key, entry.events) for key, entry in self._entries.items() if entry.events is not None]
+        total = sum(log.size for _, log in logs)
+        for key, log in logs:
+            if total <= self.log_bytes:
+                return
+            if log.done:
+                total -= log.size
+                self._entries[key] = replace(self._entries[key], events=None)
+
+    def peek(self, response_id: str) -> StoredResponse | None:
+        """The stored response, if any, without counting it as used."""
+        return self._entries.get(response_id)
 
     def track(self, response_id: str, task: asyncio.Task[None]) -> None:
         """`task` runs the stored background response `response_id` until it finishes."""
