@@ -126,7 +126,7 @@ class BlockManager:
 
     # -- prefix cache ------------------------------------------------------------------------------------------
 
-    def _block_hash(self, seq: Sequence, index: int) -> bytes:
+    def block_hash(self, seq: Sequence, index: int) -> bytes:
         """Chained hash of full block `index` of `seq.token_ids`, memoised on the sequence."""
         hashes = seq.block_hashes
         bs = self.block_size
@@ -154,7 +154,7 @@ class BlockManager:
         bs = self.block_size
         hits: list[int] = []
         for i in range((len(seq.token_ids) - 1) // bs):
-            block_id = self._cached.get(self._block_hash(seq, i))
+            block_id = self._cached.get(self.block_hash(seq, i))
             if block_id is None:
                 break
             # A hash match is verified against the stored tokens, so a collision can never serve wrong KV.
@@ -172,7 +172,7 @@ class BlockManager:
         wanted = seq.token_ids[start : min(start + bs, len(seq.token_ids) - 1)]
         if not wanted:
             return -1, 0
-        parent = self._block_hash(seq, index - 1) if index else self._root_of(seq)
+        parent = self.block_hash(seq, index - 1) if index else self._root_of(seq)
         candidates = self._children.get((parent, wanted[0]), {})
         best, best_shared = -1, 0
         for block_id in islice(reversed(candidates), PARTIAL_CANDIDATES):
@@ -194,7 +194,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue  # a prefix hit, or a block shared with a fork that already registered it
-            block_hash = self._block_hash(seq, i)
+            block_hash = self.block_hash(seq, i)
             if block_hash in self._cached:
                 # Another sequence computed the same block (concurrently, or it was cached and this one scores
                 # its prompt): keep the first copy, with this one's prompt scores if it had none.
@@ -202,7 +202,7 @@ class BlockManager:
                 continue
             block.hash = block_hash
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block.parent = self._block_hash(seq, i - 1) if i else self._root_of(seq)
+            block.parent = self.block_hash(seq, i - 1) if i else self._root_of(seq)
             self._cached[block_hash] = block.block_id
             self._children.setdefault((block.parent, block.token_ids[0]), {})[block.block_id] = None
             self._keep_scores(block, seq, i)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from structgen.config import SchedulerConfig
 from structgen.engine.block_manager import BlockManager, CachedPrefix
+from structgen.engine.inflight_prefixes import InflightPrefixes
 from structgen.engine.prompt_logprobs import cached_scored_prefix, take_cached_scores
 from structgen.engine.sequence import Sequence, SequenceStatus
 
@@ -147,6 +148,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
         bm = self.block_manager
         skipped: list[Sequence] = []
+        # Prompt blocks computed now: a waiting sequence that would compute them too waits for the cache.
+        inflight = InflightPrefixes(bm, self.running) if bm.enable_prefix_caching and self.waiting else None
         loras = {s.lora for s in self.running if s.lora is not None} if self.max_loras is not None else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -172,6 +175,9 @@ class Scheduler:
                 cached, scores = cached_scored_prefix(bm, seq)
             else:
                 cached = bm.find_cached_prefix(seq)
+            if inflight is not None and inflight.holds_next(seq, cached.num_tokens(bm.block_size)):
+                skipped.append(self.waiting.popleft())  # it reads those blocks from the cache next step
+                continue
             num_new = self._prefill_fits(cached, seq, budget, watermark)
             if num_new is None and cached.partial_tokens:
                 # Reusing a block in part costs its copy: where the pool is too small for that (a prompt that
@@ -191,6 +197,8 @@ class Scheduler:
                 loras.add(seq.lora)
             self.running.append(seq)
             out.newly_scheduled.append(seq)
+            if inflight is not None:
+                inflight.add(seq)
             budget -= self._schedule(out, seq, num_new, copies, forked)
         self.waiting.extendleft(reversed(skipped))
         return budget

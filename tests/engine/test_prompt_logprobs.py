@@ -113,6 +113,22 @@ def test_answers_to_one_context_reuse_its_scores(make_engine: EngineFactory) -> 
             assert out.num_cached_tokens == 36
 
 
+def test_answers_sent_together_wait_for_their_context_to_be_scored(make_engine: EngineFactory) -> None:
+    context = PROMPT[:37]
+    answers = [PROMPT[37:40] + PROMPT[:9], [7, 8, 9, 10, 11], [12]]
+    engine = make_engine(enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+    for i, answer in enumerate(answers):
+        engine.add_request(f"answer{i}", context + answer, params, stream=False)
+    outs = run_all(engine)
+    reference = make_engine(enable_prefix_caching=False)
+    for i, answer in enumerate(answers):
+        alone = scored(reference, context + answer, 2, f"alone{i}")
+        assert_same_entries(outs[f"answer{i}"].prompt_logprobs, alone.prompt_logprobs)
+    # The first answer's prompt scored the context; the others waited a step and read it from the cache.
+    assert [outs[f"answer{i}"].num_cached_tokens for i in range(3)] == [0, 36, 36]
+
+
 def test_a_request_for_more_alternatives_than_cached_computes_them(make_engine: EngineFactory) -> None:
     engine = make_engine(enable_prefix_caching=True)
     reference = make_engine(enable_prefix_caching=False)

@@ -275,3 +275,53 @@ def test_random_workloads_finish_and_return_every_block(
         if s.status is not SequenceStatus.FINISHED_ABORTED:
             assert s.status is SequenceStatus.FINISHED_LENGTH
             assert s.output_token_ids == [1000 + k for k in range(s.max_tokens or 0)]
+
+
+def shared(prefix: list[int], suffix_len: int, **kwargs: object) -> Sequence:
+    """A sequence whose prompt is `prefix` then tokens of its own."""
+    seq_id = next(ids)
+    own = list(range(seq_id * 1000, seq_id * 1000 + suffix_len))
+    return Sequence(seq_id, prefix + own, max_tokens=2, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_prefix_computed_now_is_read_from_the_cache_by_those_arriving_with_it() -> None:
+    sched = make(block_size=4, budget=64)
+    prefix = list(range(900_000, 900_010))  # 2 whole blocks and 2 tokens
+    leader, follower, other = shared(prefix, 5), shared(prefix, 3), seq(6)
+    for s in (leader, follower, other):
+        sched.add(s)
+    out = step(sched)
+    # The follower would compute the leader's first two blocks again: it waits, and the one behind it runs.
+    assert out.seqs == [leader, other] and list(sched.waiting) == [follower]
+    prompt_len = len(follower.token_ids)
+    out = step(sched)
+    assert follower in out.newly_scheduled
+    # Read from the cache: the two whole blocks, and the 2 prefix tokens the leader's third block starts with.
+    assert out.num_new_tokens[out.seqs.index(follower)] == prompt_len - 10
+    run(sched)
+
+
+def test_a_follower_waits_while_a_chunked_leader_computes_their_blocks() -> None:
+    sched = make(block_size=4, budget=10)
+    prefix = list(range(800_000, 800_016))
+    leader, follower = shared(prefix, 2), shared(prefix, 1)
+    sched.add(leader)
+    sched.add(follower)
+    step(sched)  # the leader's first 10 tokens
+    # The leader's last 8 leave room for the follower, which would read 2 blocks and compute the next 2 again.
+    out = step(sched)
+    assert out.seqs == [leader] and list(sched.waiting) == [follower]
+    out = step(sched)
+    assert follower in out.newly_scheduled and out.num_new_tokens[-1] == 1  # all 4 blocks read
+    run(sched)
+
+
+def test_without_prefix_caching_sequences_sharing_a_prefix_start_together() -> None:
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64)
+    sched = Scheduler(config, BlockManager(64, 4, enable_prefix_caching=False), watermark=0.0)
+    prefix = list(range(700_000, 700_010))
+    first, second = shared(prefix, 5), shared(prefix, 3)
+    sched.add(first)
+    sched.add(second)
+    assert step(sched).seqs == [first, second]
+    run(sched)
