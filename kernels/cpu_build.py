@@ -28,6 +28,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "cpu_paged_attention.cpp",
     "cpu_prefill_attention.cpp",
+    "cpu_prefill_attention_avx2.cpp",
     "cpu_rms_norm.cpp",
     "cpu_rotary.cpp",
     "cpu_activation.cpp",
@@ -48,6 +49,7 @@ HEADERS = (
     "cpu_common.h",
     "cpu_context_stager.h",
     "cpu_kernels.h",
+    "cpu_prefill_avx2.h",
     "cpu_prefill_tiles.h",
     "cpu_woq_checks.h",
 )

@@ -1,12 +1,13 @@
-"""Launcher of the AVX-512 prefill attention (`csrc/cpu_prefill_attention.cpp`) and its reference.
+"""Launcher of the prefill attention (`csrc/cpu_prefill_attention.cpp`) and its reference.
 
 `prefill_attention` attends one sequence's new tokens (a prompt, or a chunk of one on a cached prefix) causally
 over its whole context, reading keys and values from the paged cache, where the new tokens' are already written.
 It takes queries and caches of one dtype with head sizes 32, 64 or 128: bf16 on CPUs with AVX512-BF16, fp32 on
-CPUs with AVX-512F (`available(dtype)`); elsewhere the attention backend keeps torch's SDPA.
+CPUs with AVX-512F or, without AVX-512, AVX2 and FMA (`csrc/cpu_prefill_attention_avx2.cpp`; `available(dtype)`);
+elsewhere the attention backend keeps torch's SDPA.
 `prefill_attention_reference` is the same attention in float32 torch: in bf16 the kernel rounds each softmax
 weight to bf16 before the value product (as flash kernels do), so the two agree to bf16's rounding; in fp32 to
-fp32's, up to summation order.
+fp32's, up to summation order and the kernels' exp (~2e-7 relative).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 @functools.cache
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the kernel runs here for `dtype`: the native library loaded and the CPU has AVX512-BF16 (bf16) or
-    AVX-512F (fp32)."""
+    AVX-512F or AVX2 with FMA (fp32)."""
     return (
         dtype in DTYPES
         and cpu_build.load()
@@ -44,8 +45,8 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 
 def prefill_attention(
-    query: torch.Tensor,  # [new tokens, num_heads, head_dim] bf16
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16
+    query: torch.Tensor,  # [new tokens, num_heads, head_dim] bf16 or fp32, rows contiguous in head_dim
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], the query's dtype
     value_cache: torch.Tensor,
     *,
     block_table: torch.Tensor,  # [max_blocks] int32: the sequence's blocks
@@ -57,7 +58,7 @@ def prefill_attention(
     if query.dtype in DTYPES and not available(query.dtype):
         raise ValueError(
             f"prefill_attention: needs the native CPU kernels and, for {query.dtype}, a CPU with "
-            + ("AVX512-BF16" if query.dtype == torch.bfloat16 else "AVX-512F")
+            + ("AVX512-BF16" if query.dtype == torch.bfloat16 else "AVX-512F or AVX2 with FMA")
         )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -1,6 +1,7 @@
 // Causal attention of one sequence's prompt chunk on AVX-512: a flash-attention loop over tiles of 32 query rows
 // and 64 keys, reading the keys and values from the paged cache (so a chunk on top of a cached prefix needs no
-// gather and no mask tensor). bf16 on AVX512-BF16, fp32 on AVX-512F (`cpu_prefill_tiles.h`).
+// gather and no mask tensor). bf16 on AVX512-BF16, fp32 on AVX-512F (`cpu_prefill_tiles.h`); fp32 on CPUs with
+// AVX2 and FMA but no AVX-512 goes to the same loop with AVX2 register tiles (`cpu_prefill_attention_avx2.cpp`).
 //
 // Why: torch's CPU flash kernel (SDPA) ran a 960-token SmolLM2 prompt at ~13 ms a layer with the prefix cache's
 // offset mask and ~9 ms causal, 60% of the prompt's forward: ~115-175 GFLOP/s, where the dot products below run
@@ -25,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_prefill_avx2.h"
 #include "cpu_prefill_tiles.h"
 
 namespace structgen_cpu {
@@ -177,7 +179,18 @@ void by_head_dim(const at::Tensor& query, const at::Tensor& key_cache, const at:
 
 }  // namespace
 
-// Whether the kernel runs here for bf16 (AVX512-BF16) or fp32 (AVX-512F) tensors.
+// Whether this build and CPU run the AVX-512F fp32 path (else fp32 takes the AVX2 one where it can).
+static bool avx512_fp32() {
+#if defined(__AVX512F__)
+  __builtin_cpu_init();
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether the kernel runs here for bf16 (AVX512-BF16) or fp32 (AVX-512F, or AVX2 with FMA) tensors.
 bool prefill_attention_available(bool bf16) {
   __builtin_cpu_init();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -185,11 +198,7 @@ bool prefill_attention_available(bool bf16) {
 #else
   static const bool with_bf16 = false;
 #endif
-#if defined(__AVX512F__)
-  static const bool with_fp32 = __builtin_cpu_supports("avx512f");
-#else
-  static const bool with_fp32 = false;
-#endif
+  static const bool with_fp32 = avx512_fp32() || prefill_attention_avx2_usable();
   return bf16 ? with_bf16 : with_fp32;
 }
 
@@ -202,7 +211,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "prefill_attention: query must be bf16 or fp32");
   TORCH_CHECK(prefill_attention_available(dtype == at::kBFloat16),
               "prefill_attention: this CPU (or build) cannot run it for ", dtype == at::kBFloat16 ? "bf16" : "fp32",
-              " (needs AVX512-BF16 / AVX-512F)");
+              " (needs AVX512-BF16 / AVX-512F or AVX2 with FMA)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
               "prefill_attention: query must be [rows, heads, dim] with contiguous rows");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.scalar_type() == dtype,
@@ -227,11 +236,12 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
   }
   if (query.size(0) == 0) return;
   const float s = static_cast<float>(scale);
-#if defined(__AVX512F__)
   if (dtype == at::kFloat) {
-    return by_head_dim<prefill::F32Tiles>(query, key_cache, value_cache, table, context_len, s, out);
-  }
+#if defined(__AVX512F__)
+    if (avx512_fp32()) return by_head_dim<prefill::F32Tiles>(query, key_cache, value_cache, table, context_len, s, out);
 #endif
+    return prefill_attention_avx2(query, key_cache, value_cache, table, context_len, s, out);
+  }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   by_head_dim<prefill::Bf16Tiles>(query, key_cache, value_cache, table, context_len, s, out);
 #endif

@@ -25,6 +25,10 @@ BENCHMARKS = {
         "decode_attention",
         "the CPU decode-attention kernel a layer: scattered blocks vs sequential vs cache-resident",
     ),
+    "prefill-attention": (
+        "prefill_attention",
+        "the CPU prefill-attention kernel a layer vs SDPA: prompts and chunks on cached prefixes",
+    ),
     "cpu-linears": (
         "cpu_linears",
         "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",

@@ -44,8 +44,27 @@ def test_bf16_matches_the_torch_backend() -> None:
 PREFILLS = ([0, 130, 2, 40, 0], [150, 70, 90, 1, 3])
 
 
-@pytest.mark.skipif(not cpu_prefill_attention.available(torch.bfloat16), reason="needs AVX512-BF16")
-def test_bf16_prefills_take_the_kernel_and_match_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+PREFILL_DTYPES = [
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not cpu_prefill_attention.available(torch.bfloat16), reason="needs AVX512-BF16"
+        ),
+    ),
+    pytest.param(
+        torch.float32,
+        marks=pytest.mark.skipif(
+            not cpu_prefill_attention.available(torch.float32), reason="needs AVX-512F or AVX2 + FMA"
+        ),
+    ),
+]
+PREFILL_TOLERANCES = {torch.bfloat16: 2e-2, torch.float32: 2e-5}
+
+
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+def test_prefills_take_the_kernel_and_match_the_torch_backend(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
     calls: list[int] = []
     original = cpu_prefill_attention.prefill_attention
 
@@ -54,15 +73,24 @@ def test_bf16_prefills_take_the_kernel_and_match_the_torch_backend(monkeypatch: 
         return original(query, *args, **kwargs)
 
     monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", spy)
-    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
+    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    tol = PREFILL_TOLERANCES[dtype]
+    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=tol, rtol=tol)
     assert calls == [150, 70, 90, 3]  # every sequence but the decode row
 
 
-def test_bf16_prefills_fall_back_to_sdpa_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefills_fall_back_to_sdpa_where_the_kernel_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    def unavailable(*args, **kwargs):
+        raise AssertionError("the kernel ran where it is unavailable")
+
     monkeypatch.setattr(cpu_prefill_attention, "available", lambda dtype=None: False)
-    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", unavailable)
+    scenario = Scenario(*PREFILLS, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    tol = PREFILL_TOLERANCES[dtype]
+    torch.testing.assert_close(run(scenario).float(), scenario.run().float(), atol=tol, rtol=tol)
 
 
 def test_short_extensions_skip_the_per_sequence_path(monkeypatch: pytest.MonkeyPatch) -> None:
