@@ -13,9 +13,9 @@ the hidden state of the last one is what scores the first token past them, so it
 
 Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk of a 49k vocabulary would be
 400 MB of float32 for numbers reduced at once to a few per row. On the CPU the reduction (log-normalizer and
-rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. Like the sampled
-tokens' logprobs (`structgen.engine.logprobs`) they are the raw model distribution: no temperature, penalties or
-mask.
+rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. As the sampled
+tokens' logprobs (`structgen.engine.logprobs`) they come before temperature and penalties; a prompt has no
+structured-output mask, so they are the model's own distribution.
 """
 
 from __future__ import annotations
