@@ -106,4 +106,17 @@ inline std::vector<int64_t> cost_balanced_bounds(const std::vector<int64_t>& cos
   return bounds;
 }
 
+// The cost of each task of a causal prompt attention (KV head, query tile, head of the group, in that order): the
+// key tiles a query tile visits, which grow along the prompt (`offset` cached tokens before its `q_len` new ones).
+inline std::vector<int64_t> causal_tile_costs(int64_t kv_heads, int64_t group, int64_t q_len, int64_t offset,
+                                              int64_t query_tile, int64_t key_tile) {
+  const int64_t tiles = (q_len + query_tile - 1) / query_tile;
+  std::vector<int64_t> cost(kv_heads * tiles * group);
+  for (int64_t task = 0; task < static_cast<int64_t>(cost.size()); ++task) {
+    const int64_t tile = task / group % tiles;
+    cost[task] = (offset + std::min(q_len, (tile + 1) * query_tile)) / key_tile + 1;
+  }
+  return cost;
+}
+
 }  // namespace structgen_cpu

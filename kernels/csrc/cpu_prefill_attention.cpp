@@ -146,11 +146,7 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
   const int64_t tiles = (q_len + kQueryTile - 1) / kQueryTile;
   // Tasks (KV head, query tile, head of the group), in that order so a thread's run reuses one KV head's packed
   // keys and values; a tile costs the key tiles it visits, which grow along the prompt: cut runs by cost.
-  std::vector<int64_t> cost(kv_heads * tiles * group);
-  for (int64_t task = 0; task < static_cast<int64_t>(cost.size()); ++task) {
-    const int64_t tile = task / group % tiles;
-    cost[task] = (offset + std::min(q_len, (tile + 1) * kQueryTile)) / kKeyTile + 1;
-  }
+  const std::vector<int64_t> cost = causal_tile_costs(kv_heads, group, q_len, offset, kQueryTile, kKeyTile);
   const std::vector<int64_t> bounds = cost_balanced_bounds(cost, at::get_num_threads());
   const auto* q = reinterpret_cast<const Elem*>(query.data_ptr());
   auto* o = reinterpret_cast<Elem*>(out.data_ptr());
