@@ -100,3 +100,10 @@ CALL_EVENTS = (
     r"response\.output_item\.added (response\.function_call_arguments\.delta )+"
     r"response\.function_call_arguments\.done response\.output_item\.done"
 )
+
+
+async def refused_generate(*args: Any, **kwargs: Any) -> Any:
+    """A stand-in for `AsyncEngine.generate` refusing a request once it runs: it raises when first awaited, as
+    the engine's own refusals do."""
+    raise ValueError("the engine refused it")
+    yield  # an async generator, as `generate` is

@@ -17,7 +17,7 @@ import openai
 import pytest
 from live_server import serve, wait_idle
 from openai.types.responses import Response as SDKResponse
-from server_helpers import AUTH, KEY, assert_error, call
+from server_helpers import AUTH, KEY, assert_error, call, refused_generate
 
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import ServerLimits, build_app
@@ -177,13 +177,25 @@ def test_what_the_pipeline_refuses_is_a_400_on_the_post(
     assert (plain["param"], plain["code"]) == (param, code)
 
 
-def test_a_failing_background_response_is_failed_with_its_error(client: httpx.Client) -> None:
-    """What only the engine refuses (the prompt does not fit its KV cache) fails the queued response."""
-    rid = background(client, **(GREEDY | {"input": TOO_LONG}))["id"]
+def test_a_prompt_that_does_not_fit_the_engine_is_a_400_on_the_post(client: httpx.Client) -> None:
+    plain = assert_error(client.post("/v1/responses", json=GREEDY | {"input": TOO_LONG}), 400)
+    body = GREEDY | {"input": TOO_LONG, "background": True}
+    assert assert_error(client.post("/v1/responses", json=body), 400) == plain
+    assert "KV cache" in plain["message"] and plain["code"] == "invalid_request"
+
+
+def test_a_failing_background_response_is_failed_with_its_error(
+    client: httpx.Client, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the engine refuses once the request runs fails the queued response."""
+
+    monkeypatch.setattr(engine, "generate", refused_generate)
+    rid = background(client, **GREEDY)["id"]
     failed = poll(client, rid)
+    monkeypatch.undo()
     assert failed["status"] == "failed" and failed["output"] == [] and failed["usage"] is None
     message = failed["error"]["message"]
-    assert failed["error"]["code"] == "invalid_prompt" and "KV cache" in message, message
+    assert failed["error"]["code"] == "invalid_prompt" and "the engine refused it" in message, message
     assert message.endswith("(invalid_request)")
     assert_error(client.post(f"/v1/responses/{rid}/cancel"), 400, "Cannot cancel a failed")
 

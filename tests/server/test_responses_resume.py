@@ -23,7 +23,7 @@ from live_server import serve, wait_idle
 from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_helpers import AUTH, KEY, TEXT_EVENTS, assert_error, tiny_engine
+from server_helpers import AUTH, KEY, TEXT_EVENTS, assert_error, refused_generate, tiny_engine
 
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import build_app
@@ -191,12 +191,15 @@ def test_cancel_and_delete_end_the_live_streams(client: httpx.Client, engine: As
         assert_error(client.get(f"/v1/responses/{rid}", params={"stream": "true"}), 404, "not found")
 
 
-def test_a_failing_stream_ends_with_response_failed(client: httpx.Client) -> None:
-    """The engine refuses the prompt (longer than its KV cache) once it is queued: no `in_progress`."""
-    with client.stream(
-        "POST", "/v1/responses", json=SHORT | {"input": "Count. " * 2000, "background": True, "stream": True}
-    ) as got:
+def test_a_failing_stream_ends_with_response_failed(
+    client: httpx.Client, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine refuses the request once it is queued: no `in_progress`."""
+
+    monkeypatch.setattr(engine, "generate", refused_generate)
+    with client.stream("POST", "/v1/responses", json=SHORT | {"background": True, "stream": True}) as got:
         events = list(events_of(got))
+    monkeypatch.undo()
     assert types(events) == "response.created response.queued response.failed "
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_prompt"

@@ -3,8 +3,8 @@
 A plain request that the chat pipeline refuses (a strict tool whose schema cannot be enforced, a conversation
 the chat template rejects, a structured-output schema that does not compile) gets a 400; a background one must
 too, on its POST, rather than a `queued` answer that turns `failed`. So the POST goes through the pipeline's
-preparation (`routes_chat.run_chat` up to its dispatch: model, params, prompt, output cap) and compiles the
-request's grammar before it answers. The background task then prepares the request again (rendering the prompt a
+preparation (`routes_chat.run_chat` up to its dispatch: model, params, prompt, output cap), checks that the
+prompt and its output fit the engine (its own rule) and compiles the request's grammar before it answers. The background task then prepares the request again (rendering the prompt a
 second time, a small cost next to its generation) and finds the grammar in the compile cache.
 """
 
@@ -14,6 +14,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from structgen.engine.async_engine import EngineDeadError
+from structgen.engine.inputs import resolve_max_tokens
 from structgen.server import protocol as p
 from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
@@ -39,6 +40,17 @@ async def check_prepared(ctx: ServerContext, body: p.ChatCompletionRequest) -> N
             prompt_tokens=len(prompt.token_ids),
             max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
         )
+    engine = ctx.engine.engine
+    try:  # the engine's own check, which a plain request meets as it starts
+        resolve_max_tokens(
+            len(prompt.token_ids),
+            run_params.max_tokens,
+            max_model_len=engine.max_model_len,
+            num_blocks=engine.block_manager.num_blocks,
+            block_size=engine.block_manager.block_size,
+        )
+    except ValueError as error:  # a prompt longer than the context or the whole KV cache
+        raise APIError(400, str(error), code="invalid_request") from None
     if run_params.structured_outputs is not None:
         await _compile(ctx, run_params.structured_outputs)
 
