@@ -29,6 +29,10 @@ BENCHMARKS = {
         "prefill_attention",
         "the CPU prefill-attention kernel a layer vs SDPA: prompts and chunks on cached prefixes",
     ),
+    "shared-prefixes": (
+        "shared_prefixes",
+        "prompts sharing a prefix (lm-eval scoring, a burst with one system prompt): the prefix cache vs before",
+    ),
     "cpu-linears": (
         "cpu_linears",
         "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",
