@@ -148,8 +148,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
         bm = self.block_manager
         skipped: list[Sequence] = []
-        # Prompt blocks computed now: a waiting sequence that would compute them too waits for the cache.
-        inflight = InflightPrefixes(bm, self.running) if bm.enable_prefix_caching and self.waiting else None
+        # Prompt blocks computed now: a waiting sequence that would compute them too waits for the cache. Listed
+        # on the first sequence that gets that far (most steps admit nobody), then kept up as sequences start.
+        inflight: InflightPrefixes | None = None
         loras = {s.lora for s in self.running if s.lora is not None} if self.max_loras is not None else set()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -175,6 +176,8 @@ class Scheduler:
                 cached, scores = cached_scored_prefix(bm, seq)
             else:
                 cached = bm.find_cached_prefix(seq)
+            if inflight is None and bm.enable_prefix_caching:
+                inflight = InflightPrefixes(bm, self.running)
             if inflight is not None and inflight.holds_next(seq, cached.num_tokens(bm.block_size)):
                 skipped.append(self.waiting.popleft())  # it reads those blocks from the cache next step
                 continue

@@ -7,8 +7,9 @@ rejects up front (prompt too long, a schema it cannot enforce) is still an ordin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -106,6 +107,21 @@ async def start(
 
 
 async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> RequestOutput:
+    with start_errors():
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            if ticket.aborted_by_shutdown:
+                raise APIError(
+                    503, "the server shut down before the request started", code="shutting_down"
+                ) from None
+            raise APIError(503, "the request was aborted before it produced output") from None
+
+
+@contextlib.contextmanager
+def start_errors() -> Iterator[None]:
+    """What the engine refuses a request for as it starts (its grammar, its adapter, its size), as the 400 / 503
+    it is answered with."""
     from structgen.structured import (
         CompileBusyError,
         CompileTimeoutError,
@@ -114,13 +130,7 @@ async def _first(stream: AsyncIterator[RequestOutput], ticket: Ticket) -> Reques
     )
 
     try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        if ticket.aborted_by_shutdown:
-            raise APIError(
-                503, "the server shut down before the request started", code="shutting_down"
-            ) from None
-        raise APIError(503, "the request was aborted before it produced output") from None
+        yield
     except UnsupportedSchemaError as error:
         raise APIError(400, str(error), param="response_format", code="unsupported_schema") from None
     except CompileTimeoutError as error:

@@ -18,7 +18,7 @@ from structgen.engine.inputs import resolve_max_tokens
 from structgen.server import protocol as p
 from structgen.server.chat_prompt import chat_prompt
 from structgen.server.context import ServerContext
-from structgen.server.errors import APIError
+from structgen.server.generation import start_errors
 from structgen.server.limits import with_default_max_tokens
 from structgen.server.routes_models import resolve_model
 
@@ -41,7 +41,8 @@ async def check_prepared(ctx: ServerContext, body: p.ChatCompletionRequest) -> N
             max_sequence_tokens=ctx.engine.engine.max_sequence_tokens,
         )
     engine = ctx.engine.engine
-    try:  # the engine's own check, which a plain request meets as it starts
+    with start_errors():  # as the engine request's start would raise them
+        # The engine's own check of the prompt and its output against the context and the whole KV cache.
         resolve_max_tokens(
             len(prompt.token_ids),
             run_params.max_tokens,
@@ -49,16 +50,14 @@ async def check_prepared(ctx: ServerContext, body: p.ChatCompletionRequest) -> N
             num_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
         )
-    except ValueError as error:  # a prompt longer than the context or the whole KV cache
-        raise APIError(400, str(error), code="invalid_request") from None
-    if run_params.structured_outputs is not None:
-        await _compile(ctx, run_params.structured_outputs)
+        if run_params.structured_outputs is not None:
+            await _compile(ctx, run_params.structured_outputs)
 
 
 async def _compile(ctx: ServerContext, structured: StructuredOutputsParams) -> None:
     """Compile the grammar of `structured` with the engine's manager, whose cache the engine request finds it
-    in; its error as the 400 (or 503) the engine request's start would raise."""
-    from structgen.structured import CompileBusyError, CompileTimeoutError, InvalidSpecError
+    in. A failure that is not one of structgen's is what the engine reports as an unsupported schema."""
+    from structgen.structured import StructuredOutputError, UnsupportedSchemaError
 
     outputs = getattr(ctx.engine.engine, "structured", None)
     if outputs is None:  # an engine without a structured-output layer: its own start reports the error
@@ -71,13 +70,7 @@ async def _compile(ctx: ServerContext, structured: StructuredOutputsParams) -> N
         spec = structured.to_spec()
         # Shielded: a POST whose client leaves must not cancel the compile, which the cache shares.
         await asyncio.shield(asyncio.wrap_future(outputs.manager.submit(spec)))
-    except EngineDeadError as error:
-        raise APIError(503, str(error), code="engine_dead") from None
-    except CompileTimeoutError as error:
-        raise APIError(400, str(error), param="response_format", code="compile_timeout") from None
-    except CompileBusyError as error:  # earlier compiles still hold the workers: not this request's fault
-        raise APIError(503, str(error), code="compile_busy", headers={"Retry-After": "5"}) from None
-    except InvalidSpecError as error:  # a malformed spec (the engine's start: ValueError, a 400)
-        raise APIError(400, str(error), code="invalid_request") from None
-    except Exception as error:  # any other compile failure, which the engine reports as unsupported
-        raise APIError(400, str(error), param="response_format", code="unsupported_schema") from None
+    except (StructuredOutputError, EngineDeadError):
+        raise
+    except Exception as error:
+        raise UnsupportedSchemaError(str(error)) from None
