@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Before anything imports jsonschema: its IRI format checker's parser is built on the first IRI checked, not at
+# every process start (`structgen.structured.iri_syntax`).
+from structgen.structured import iri_syntax as _iri_syntax
+
+_iri_syntax.install()
+
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
