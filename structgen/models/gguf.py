@@ -2,8 +2,8 @@
 
 llama.cpp's GGUF packs config, tokenizer and (often quantized) weights into one file under its own names. We
 convert it once into a normal HF directory (`config.json`, safetensors, `tokenizer.json`, ...) so the rest of
-structgen only ever loads one format. Weights are dequantized with the `gguf` package; F16/BF16 tensors keep
-their dtype. llama.cpp stores llama-style q/k projections with their rows permuted (its rotary pairs adjacent
+structgen only ever loads one format. The header is read by `structgen.models.gguf_file`; weights are
+dequantized with the `gguf` package; F16/BF16 tensors keep their dtype. llama.cpp stores llama-style q/k projections with their rows permuted (its rotary pairs adjacent
 dimensions where HF pairs the two halves of a head); that is undone here, exactly as transformers' own GGUF
 load does. Qwen2/Qwen3 GGUFs use the half-split (NEOX) rotary already and are not permuted.
 """
@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from structgen.errors import ModelLoadError, UnsupportedArchitectureError
+from structgen.models.gguf_file import open_gguf
 from structgen.models.gguf_tokenizer import special_token_ids, write_tokenizer_files
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+    from structgen.models.gguf_file import GGUFFile, GGUFTensor
 
 # Bump when the converter's output changes, so cached conversions made by an older version are not reused.
 GGUF_CONVERTER_VERSION = 1
@@ -60,10 +61,10 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def read_gguf(gguf_path: str | Path) -> GGUFReader:
-    """Open a GGUF file (memory-mapped), with a clear error for a missing or unreadable file. The reader of an
-    unchanged file is reused: parsing the header alone takes seconds for a 49k-token vocabulary, and loading the
-    default model reads it for its 4-bit and its 8-bit blocks."""
+def read_gguf(gguf_path: str | Path) -> GGUFFile:
+    """Open a GGUF file (its header read, its tensors memory-mapped), with a clear error for a missing or
+    unreadable file. The reading of an unchanged file is reused: loading the default model reads it for its
+    4-bit and its 8-bit blocks."""
     path = Path(gguf_path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
@@ -72,34 +73,17 @@ def read_gguf(gguf_path: str | Path) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    from gguf import GGUFReader
-
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     try:
-        return GGUFReader(path)
+        return open_gguf(path)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot read {path} as a GGUF file: {exc}") from exc
 
 
-def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file as plain Python values (strings, numbers, lists)."""
-    return {key: _field_value(field) for key, field in reader.fields.items()}
-
-
-def _field_value(field: Any) -> Any:
-    # Decoded from the raw parts (not `ReaderField.contents()`, which older gguf releases lack).
-    from gguf import GGUFValueType
-
-    def scalar(part: Any, kind: Any) -> Any:
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
-
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.ARRAY:
-        if len(field.types) > 2:
-            raise ModelLoadError(f"GGUF metadata {field.name!r} is a nested array; unsupported")
-        return [scalar(field.parts[index], field.types[-1]) for index in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
+    """Every key/value of the file as plain Python values (strings, numbers, lists); a copy, as the reading is
+    shared."""
+    return dict(reader.metadata)
 
 
 def hf_architecture(metadata: dict[str, Any]) -> str:
@@ -289,7 +273,7 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """One GGUF tensor as a torch tensor in HF layout: fp16/bf16 kept, everything else dequantized to fp32."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -310,9 +294,9 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C", "W"]).reshape(shape))
 
 
-def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(reader: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight of the file, one tensor in memory at a time."""
-    permute = _field_value(reader.fields["general.architecture"]) in _PERMUTED_ARCHITECTURES
+    permute = reader.metadata.get("general.architecture") in _PERMUTED_ARCHITECTURES
     for tensor in reader.tensors:
         if _SKIPPED_TENSORS.match(tensor.name):
             continue
