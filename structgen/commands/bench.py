@@ -33,6 +33,10 @@ BENCHMARKS = {
         "shared_prefixes",
         "prompts sharing a prefix (lm-eval scoring, a burst with one system prompt): the prefix cache vs before",
     ),
+    "startup": (
+        "startup",
+        "seconds to start: --help, imports, the engine, structgen serve until it answers (fresh processes)",
+    ),
     "cpu-linears": (
         "cpu_linears",
         "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",
