@@ -4,7 +4,8 @@
 
 Measures (the median of `--repeats` fresh processes, alternating the two sides when `--off` is given):
 - `help`: `structgen --help`, process start to exit;
-- `import`: `import structgen.engine.llm, structgen.server.app` (torch, the engine, the server);
+- `import`: a process that runs `import structgen.engine.llm, structgen.server.app` (torch, the engine, the
+  server), start to exit;
 - `engine`: `LLM(model=M)` in a process that has imported them (the model's files are in the cache: one warm-up
   load runs first, converting a GGUF on the first run of a machine);
 - `serve`: `structgen serve --model M` from process start until `GET /v1/models` answers, and `first`: the
@@ -12,8 +13,9 @@ Measures (the median of `--repeats` fresh processes, alternating the two sides w
 
 `--off` runs each measure a second time with parts of session 36's start-up switched off in the child processes,
 for a before/after in the same code: `exports` (`structgen.structured` imports every module it exports, and so
-torch and jsonschema, as soon as anything under it is imported: the CLI's help did), `iri` (rfc3987-syntax's IRI parser built at import, as `jsonschema` builds
-it when nothing defers it) and `gguf` (GGUF headers read by the `gguf` package's `GGUFReader`).
+torch and jsonschema, as soon as anything under it is imported: the CLI's help did), `iri` (rfc3987-syntax's IRI
+parser built at import, as `jsonschema` builds it when nothing defers it) and `gguf` (GGUF headers read by the
+`gguf` package's `GGUFReader`).
 """
 
 from __future__ import annotations
@@ -144,12 +146,8 @@ def measure(model: str, *, off: set[str], measures: Sequence[str] = MEASURES) ->
             "import sys\nfrom structgen.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n",
             off=off,
         )
-    if "import" in measures:
-        timings["import"] = _python(
-            "import time\nstart = time.perf_counter()\nimport structgen.engine.llm, structgen.server.app\n"
-            "print('SECONDS', time.perf_counter() - start)\n",
-            off=off,
-        )
+    if "import" in measures:  # the process's whole time, as for help: the `--off` preambles import too
+        timings["import"] = _python("import structgen.engine.llm, structgen.server.app\n", off=off)
     if "engine" in measures:
         timings["engine"] = _python(
             "import time\nfrom structgen.engine.llm import LLM\nimport structgen.server.app\n"
