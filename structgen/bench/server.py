@@ -154,12 +154,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     items = workload(args.requests)
-    llm = LLM(model=args.model, device="cpu", kv_cache_tokens=32768, max_num_seqs=args.requests)
-    run_offline(llm, items, 1)  # warm-up: grammars compiled, prompt prefixes cached
-    offline = run_offline(llm, items, args.max_tokens)
-    engine = AsyncEngine(llm.engine)
+    # Built, and run offline, on the step thread: a model loaded or run on this thread and stepped on another
+    # leaves two OpenMP teams, whose workers then sleep between ops (libgomp's throttled wait; see
+    # `structgen.engine.async_engine`), which would slow the HTTP side with --threads 2.
+    built: list[Any] = []
+
+    def build() -> Any:
+        built.append(LLM(model=args.model, device="cpu", kv_cache_tokens=32768, max_num_seqs=args.requests))
+        return built[0].engine
+
+    engine = AsyncEngine(build=build)
+    llm = built[0]
+
+    async def offline_runs() -> dict[str, float]:
+        await engine.on_step_thread(lambda: run_offline(llm, items, 1))  # warm-up: grammars, prompt prefixes
+        return await engine.on_step_thread(lambda: run_offline(llm, items, args.max_tokens))
+
     name = args.model or "smollm2-135m"
     try:
+        offline = asyncio.run(offline_runs())
         with _Uvicorn(build_app(engine, llm.engine.tokenizer, model_name=name)) as url:
             http = asyncio.run(run_http(url, name, items, args.max_tokens))
     finally:
