@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.metrics import EngineStats
@@ -58,6 +60,11 @@ class AsyncEngine:
         """Drive `engine`, or the engine `build()` returns, built on the step thread (raising what it raises)."""
         if (engine is None) == (build is None):
             raise ValueError("AsyncEngine takes an engine or a build function, not both or neither")
+        if engine is not None and engine.device.type == "cpu" and torch.get_num_threads() > 1:
+            logger.warning(  # see the module's note: every step then waits on sleeping OpenMP workers
+                "AsyncEngine(engine): an engine built on another thread than the step thread decodes slower on the "
+                "CPU (two OpenMP teams); build it there with AsyncEngine.from_config(config) or AsyncEngine(build=...)"
+            )
         self.engine: LLMEngine = engine  # type: ignore[assignment]  # set by the step thread when built there
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()

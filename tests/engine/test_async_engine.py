@@ -172,6 +172,28 @@ def test_an_engine_built_by_the_async_engine_is_built_on_its_step_thread(make_en
         async_engine.shutdown()
 
 
+def test_an_engine_built_elsewhere_is_served_with_a_warning_on_the_cpu(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stepping on another thread an engine built here leaves two OpenMP teams: it works, slower, and says so."""
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for build_there in (True, False):
+        caplog.clear()
+        async_engine = AsyncEngine(build=make_engine) if build_there else AsyncEngine(make_engine())
+        try:
+            assert asyncio.run(collect(async_engine, PROMPTS[0], params(0)))[-1].finished
+        finally:
+            async_engine.shutdown()
+        warned = [r for r in caplog.records if "AsyncEngine.from_config" in r.getMessage()]
+        assert len(warned) == (0 if build_there else 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: no team, nothing to say
+    caplog.clear()
+    AsyncEngine(make_engine()).shutdown()
+    assert not [r for r in caplog.records if "AsyncEngine.from_config" in r.getMessage()]
+
+
 def test_a_failed_build_raises_on_the_callers_thread() -> None:
     def build() -> LLMEngine:
         raise ValueError("no such model: nowhere")
