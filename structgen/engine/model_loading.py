@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,6 @@ def load_engine_model(
     while this process loads rank 0's. On one rank the CPU's quantized kernels and flat forward are attached."""
     from structgen.models.loader import load_model
     from structgen.models.registry import resolve_model
-    from structgen.tokenizer import Tokenizer
 
     model_dir = resolve_model(config.model)
     tp_size = config.tensor_parallel_size
@@ -41,7 +41,25 @@ def load_engine_model(
         _attach_cpu_kernels(model, config.model, quantization=config.quantization)
     if tp_group is not None:
         tp_group.wait_ready()
-    return model, Tokenizer.from_dir(model_dir), model_dir
+    return model, load_tokenizer(model_dir), model_dir
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """The tokenizer of `model_dir`, one object for every engine of the process that loads the same unchanged
+    files (a draft model, engines built one after another): parsing a 100k-token `tokenizer.json` takes ~0.3 s,
+    and a `Tokenizer` is not changed once built (its lazy tables only fill in)."""
+    templates = model_dir / "chat_templates"
+    files = [p for p in model_dir.iterdir() if p.is_file()]
+    files += sorted(templates.iterdir()) if templates.is_dir() else []
+    signature = tuple((str(p.relative_to(model_dir)), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    return _tokenizer_of(str(model_dir.resolve()), tuple(sorted(signature)))
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_of(model_dir: str, signature: tuple[tuple[str, int, int], ...]) -> Tokenizer:
+    from structgen.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
 
 
 def load_draft_model(
@@ -51,12 +69,11 @@ def load_draft_model(
     engine's own model gets them."""
     from structgen.models.loader import load_model
     from structgen.models.registry import resolve_model
-    from structgen.tokenizer import Tokenizer
 
     model_dir = resolve_model(name_or_path)
     model = load_model(model_dir, dtype=dtype, device=device, tp_size=1)
     _attach_cpu_kernels(model, name_or_path, quantization=quantization)
-    return model, Tokenizer.from_dir(model_dir), model_dir
+    return model, load_tokenizer(model_dir), model_dir
 
 
 def _attach_cpu_kernels(model: nn.Module, name_or_path: str | None, *, quantization: str) -> None:
