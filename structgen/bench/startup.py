@@ -6,8 +6,8 @@ Measures (the median of `--repeats` fresh processes, alternating the two sides w
 - `help`: `structgen --help`, process start to exit;
 - `import`: a process that runs `import structgen.engine.llm, structgen.server.app` (torch, the engine, the
   server), start to exit;
-- `engine`: `LLM(model=M)` in a process that has imported them (the model's files are in the cache: one warm-up
-  load runs first, converting a GGUF on the first run of a machine);
+- `engine`: `LLM(model=M)` in a process that has imported them (the model's files in the page cache: they are
+  read once first, after converting a GGUF on the first run of a machine);
 - `serve`: `structgen serve --model M` from process start until `GET /v1/models` answers, and `first`: the
   first chat completion after that (8 tokens).
 
@@ -159,11 +159,23 @@ def measure(model: str, *, off: set[str], measures: Sequence[str] = MEASURES) ->
     return timings
 
 
+def _warm_up(model: str) -> None:
+    """Convert the model on a machine's first run (a GGUF's checkpoint, `tiny`'s random one), and bring its files
+    into the page cache, so that no measure pays for either."""
+    from structgen.models.registry import resolve_model
+
+    model_dir = resolve_model(model)
+    for path in model_dir.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
 def run(model: str, *, repeats: int, off: set[str], measures: Sequence[str] = MEASURES) -> dict[str, Any]:
     sides = {"now": set[str](), "off": off} if off else {"now": set[str]()}
     if {"engine", "serve"} & set(measures):
-        # A warm-up load: converts the model on a machine's first run, and brings its files into the page cache.
-        _python(f"from structgen.engine.llm import LLM\nLLM(model={model!r})\n", off=set())
+        _warm_up(model)
     samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(repeats):
         for side, parts in sides.items():

@@ -2,11 +2,12 @@
 
 Converted once per test session into the cache (`$STRUCTGEN_CACHE_DIR` when set, else the user cache, which
 `structgen serve` shares), with the network blocked: nothing may be downloaded. The reference is transformers'
-own GGUF load of the same file (slow, ~50 s here, so it is loaded once for the module).
+own GGUF load of the same file (slow, so it is loaded once for the module, its repeated header reads shared).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from collections.abc import Iterator
@@ -58,6 +59,20 @@ def no_network() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def shared_gguf_reads() -> Iterator[None]:
+    """transformers' GGUF loads (model, config, tokenizer) each open the file with gguf's `GGUFReader` (~5 s for
+    this vocabulary's header) and build gguf's tensor-name map once per tensor (~400 times). The same file and
+    arguments give the same objects, so each is made once for the module; what transformers computes from them
+    is unchanged."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=8)(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.fixture(scope="module")
 def model_dir(no_network: None) -> Path:
     return resolve_model(None)
 
@@ -68,7 +83,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference(no_network: None) -> Any:
+def reference(no_network: None, shared_gguf_reads: None) -> Any:
     from transformers import AutoModelForCausalLM
 
     gguf = smollm2_gguf_path()
@@ -94,7 +109,9 @@ def test_default_model_is_the_converted_smollm2(model_dir: Path) -> None:
     assert config.tie_word_embeddings and 2 in config.eos_token_ids  # <|im_end|>
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(tokenizer: Tokenizer, no_network: None) -> None:
+def test_tokenizer_matches_transformers_gguf_tokenizer(
+    tokenizer: Tokenizer, no_network: None, shared_gguf_reads: None
+) -> None:
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
