@@ -47,6 +47,11 @@ _OFF_CODE = {
 }
 
 
+def preamble(off: set[str]) -> str:
+    """The code a child runs first to switch `off` parts off."""
+    return "".join(_OFF_CODE[part] for part in sorted(off))
+
+
 def gguf_package_reader(path: str | Path) -> Any:
     """A `GGUFFile` read by the `gguf` package's `GGUFReader`, its metadata decoded as structgen did before."""
     from gguf import GGUFReader, GGUFValueType
@@ -70,10 +75,13 @@ def gguf_package_reader(path: str | Path) -> Any:
 
 def _python(code: str, *, off: set[str], timeout: float = 300) -> float:
     """Seconds a fresh interpreter takes to run `code` (after the `--off` preamble), or the last timing it prints."""
-    preamble = "".join(_OFF_CODE[part] for part in sorted(off))
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", preamble + code], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", preamble(off) + code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
@@ -91,9 +99,8 @@ def _free_port() -> int:
 def _serve(model: str, *, off: set[str], timeout: float = 300) -> tuple[float, float]:
     """(seconds until `GET /v1/models` answers, seconds of the first chat completion)."""
     port = _free_port()
-    preamble = "".join(_OFF_CODE[part] for part in sorted(off))
     code = (
-        preamble
+        preamble(off)
         + f"import sys\nfrom structgen.cli import main\nsys.exit(main(['serve', '--model', {model!r}, '--port', '{port}']))"
     )
     start = time.perf_counter()

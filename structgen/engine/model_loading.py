@@ -51,8 +51,9 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     templates = model_dir / "chat_templates"
     files = [p for p in model_dir.iterdir() if p.is_file()]
     files += sorted(templates.iterdir()) if templates.is_dir() else []
-    signature = tuple((str(p.relative_to(model_dir)), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
-    return _tokenizer_of(str(model_dir.resolve()), tuple(sorted(signature)))
+    stats = [(str(p.relative_to(model_dir)), p.stat()) for p in files]
+    signature = tuple(sorted((name, st.st_mtime_ns, st.st_size) for name, st in stats))
+    return _tokenizer_of(str(model_dir.resolve()), signature)
 
 
 @functools.lru_cache(maxsize=8)

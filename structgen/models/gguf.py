@@ -3,9 +3,9 @@
 llama.cpp's GGUF packs config, tokenizer and (often quantized) weights into one file under its own names. We
 convert it once into a normal HF directory (`config.json`, safetensors, `tokenizer.json`, ...) so the rest of
 structgen only ever loads one format. The header is read by `structgen.models.gguf_file`; weights are
-dequantized with the `gguf` package; F16/BF16 tensors keep their dtype. llama.cpp stores llama-style q/k projections with their rows permuted (its rotary pairs adjacent
-dimensions where HF pairs the two halves of a head); that is undone here, exactly as transformers' own GGUF
-load does. Qwen2/Qwen3 GGUFs use the half-split (NEOX) rotary already and are not permuted.
+dequantized with the `gguf` package; F16/BF16 tensors keep their dtype. llama.cpp stores llama-style q/k
+projections with their rows permuted (its rotary pairs adjacent dimensions where HF pairs the two halves of a
+head); that is undone here, exactly as transformers' own GGUF load does. Qwen2/Qwen3 GGUFs use the half-split (NEOX) rotary already and are not permuted.
 """
 
 from __future__ import annotations

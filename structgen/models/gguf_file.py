@@ -76,16 +76,10 @@ class _Header:
         return value
 
     def string(self) -> str:
-        length = self.scalar("Q")
-        end = self.offset + length
-        if end > len(self.buffer):
-            raise ValueError("a string runs past the end of the file")
-        text = bytes(self.buffer[self.offset : end]).decode("utf-8")
-        self.offset = end
-        return text
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings in a row: the vocabulary and merges, ~100k of them, so one tight loop."""
+        """`count` strings in a row (the vocabulary and merges are ~100k of them: one tight loop)."""
         unpack, view, offset, size = (
             struct.Struct(self.order + "Q").unpack_from,
             memoryview(self.buffer),
@@ -105,12 +99,12 @@ class _Header:
         self.offset = offset
         return out
 
-    def value(self, kind: int, *, in_array: bool = False) -> Any:
+    def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind][0])
-        if kind == _ARRAY and not in_array:
+        if kind == _ARRAY:
             item_kind, count = self.scalar("I"), self.scalar("Q")
             if item_kind == _ARRAY:
                 raise ValueError("nested metadata arrays are not supported")
@@ -182,7 +176,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
             )
         else:
             count = elements
-        dtype = np.dtype(item).newbyteorder(order) if item != "u1" else np.dtype(item)
+        dtype = np.dtype(item).newbyteorder(order)  # bytes have no order: u1 stays as it is
         start = data_start + offset
         if start + count * dtype.itemsize > len(buffer):
             raise ValueError(f"tensor {name!r} runs past the end of the file")

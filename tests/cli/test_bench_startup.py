@@ -43,9 +43,8 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
     )
 
     def state(off: set[str]) -> str:
-        preamble = "".join(startup._OFF_CODE[part] for part in sorted(off))
         done = subprocess.run(
-            [sys.executable, "-c", preamble + code], capture_output=True, text=True, check=True
+            [sys.executable, "-c", startup.preamble(off) + code], capture_output=True, text=True, check=True
         )
         return done.stdout.strip()
 
