@@ -3,32 +3,10 @@ error must name (used by test_bad_inputs.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-KEY = "bad-input-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-MSG = [{"role": "user", "content": "Hi"}]
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-JSON = {"content-type": "application/json"}
-
-
-def schema_body(schema: Any, **extra: Any) -> dict[str, Any]:
-    return {
-        "messages": MSG,
-        "max_tokens": 4,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-        **extra,
-    }
-
-
-def _deep_schema_body(depth: int) -> bytes:
-    # Written out by hand: json.dumps (and so httpx) gives up before 1,000 levels.
-    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
-    head = json.dumps(schema_body("SCHEMA"))
-    return head.replace('"SCHEMA"', schema).encode()
-
+from bad_input_constants import CHAT, COMPLETIONS, JSON, MSG
+from bad_structured_inputs import STRUCTURED_CASES
 
 TOOL = {
     "type": "function",
@@ -181,131 +159,8 @@ CASES: list[tuple[str, str, str, dict[str, Any], int]] = [
         {"json": {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}},
         400,
     ),
-    # -- response_format / structured outputs ----------------------------------------------------------------
-    (
-        "response_format unknown type",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "response_format": {"type": "xml"}}},
-        400,
-    ),
-    (
-        "json_schema without schema",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}},
-        400,
-    ),
-    ("schema not an object", "POST", CHAT, {"json": schema_body(42)}, 400),
-    ("schema type unknown", "POST", CHAT, {"json": schema_body({"type": "banana"})}, 400),
-    (
-        "schema required not a list",
-        "POST",
-        CHAT,
-        {"json": schema_body({"type": "object", "required": "a"})},
-        400,
-    ),
-    ("schema unresolvable ref", "POST", CHAT, {"json": schema_body({"$ref": "#/$defs/missing"})}, 400),
-    ("schema file ref", "POST", CHAT, {"json": schema_body({"$ref": "file:///etc/passwd"})}, 400),
-    (
-        "schema http ref",
-        "POST",
-        CHAT,
-        {"json": schema_body({"$ref": "http://169.254.169.254/latest/meta-data"})},
-        400,
-    ),
-    ("schema nested 1000 levels", "POST", CHAT, {"content": _deep_schema_body(1000), "headers": JSON}, 400),
-    (
-        "schema 10000 properties",
-        "POST",
-        CHAT,
-        {
-            "json": schema_body(
-                {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10_000)}}
-            )
-        },
-        400,
-    ),
-    (
-        "schema enum 100000",
-        "POST",
-        CHAT,
-        {"json": schema_body({"enum": [f"v{i}" for i in range(100_000)]})},
-        400,
-    ),
-    (
-        "schema unsatisfiable",
-        "POST",
-        CHAT,
-        {"json": schema_body({"type": "string", "minLength": 5, "maxLength": 2})},
-        400,
-    ),
-    (
-        "schema invalid pattern",
-        "POST",
-        CHAT,
-        {"json": schema_body({"type": "string", "pattern": "([a-z"})},
-        400,
-    ),
-    ("guided_regex invalid", "POST", CHAT, {"json": {"messages": MSG, "guided_regex": "(unclosed"}}, 400),
-    (
-        "guided_regex catastrophic look-around",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "guided_regex": "(?=(a+)+)b"}},
-        400,
-    ),
-    (
-        "guided_grammar unparsable",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "guided_grammar": 'root ::= ( "a" | '}},
-        400,
-    ),
-    (
-        "guided_grammar lark garbage",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "guided_grammar": "start: ::: }}}"}},
-        400,
-    ),
-    ("guided_choice empty", "POST", CHAT, {"json": {"messages": MSG, "guided_choice": []}}, 400),
-    ("guided_choice not strings", "POST", CHAT, {"json": {"messages": MSG, "guided_choice": [1, 2]}}, 400),
-    (
-        "two structured kinds",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "guided_regex": "a+", "guided_choice": ["a"]}},
-        400,
-    ),
-    (
-        "structured_outputs wrong type",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "structured_outputs": "json"}},
-        400,
-    ),
-    (
-        "structured_outputs close_at_budget string",
-        "POST",
-        CHAT,
-        {"json": schema_body({"type": "object"}, structured_outputs={"close_at_budget": "yes"})},
-        400,
-    ),
-    (
-        "structured_outputs loop_guard number",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "structured_outputs": {"json_object": True, "loop_guard": 1}}},
-        400,
-    ),
-    (
-        "structured_outputs options without a constraint",
-        "POST",
-        CHAT,
-        {"json": {"messages": MSG, "structured_outputs": {"close_at_budget": False}}},
-        400,
-    ),
+    # -- response_format / structured outputs: bad_structured_inputs.py
+    *STRUCTURED_CASES,
     # -- tools -------------------------------------------------------------------------------------------
     (
         "tool_choice names a missing tool",

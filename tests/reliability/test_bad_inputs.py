@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from bad_input_corpus import AUTH, CASES, CHAT, KEY, MSG, PARAMS, schema_body
+from bad_input_constants import AUTH, CHAT, KEY, MSG
+from bad_input_corpus import CASES, PARAMS
+from bad_structured_inputs import schema_body
 
 from structgen.engine.async_engine import AsyncEngine
 from structgen.server import build_app
