@@ -14,6 +14,9 @@ from structgen.bench import server
 
 def test_both_sides_generate_the_same_tokens_on_one_engine(tmp_path: Path) -> None:
     threads_before = torch.get_num_threads()
+    # Other tests' engines (the session's shared SmolLM2 one) may be alive in this process: only the bench's own
+    # step thread must be gone.
+    engines_before = set(_engine_threads())
     out = tmp_path / "server.json"
     try:
         assert (
@@ -24,4 +27,8 @@ def test_both_sides_generate_the_same_tokens_on_one_engine(tmp_path: Path) -> No
     result = json.loads(out.read_text())
     assert result["offline"]["tokens"] == result["http"]["tokens"] > 0  # greedy: the same outputs both ways
     assert result["server_overhead_ratio"] > 0
-    assert not [t for t in threading.enumerate() if t.name == "structgen-engine"]  # shut down
+    assert not set(_engine_threads()) - engines_before  # shut down
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "structgen-engine"]
