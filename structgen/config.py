@@ -14,6 +14,15 @@ if TYPE_CHECKING:
 # Weight quantization on the CPU (`structgen.models.cpu_linear.attach_int4`): "auto" (a GGUF's own 4-bit blocks),
 # "int4" (also HF checkpoints), "w4a8" ("int4", and an fp32 model's prompt chunks with int8 activations), "none".
 QUANTIZATION_CHOICES = ("auto", "int4", "w4a8", "none")
+# What logprobs hold (`structgen.engine.logprobs`), vLLM's `logprobs_mode` values.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def check_logprobs_mode(mode: str) -> str:
+    """`mode` if it is one of `LOGPROBS_MODES`, else ValueError."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got {mode!r}")
+    return mode
 
 
 @dataclass(slots=True, kw_only=True)
@@ -207,6 +216,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, object] | str | None = None
     # LoRA adapters served beside the base model (`structgen.lora`); None: requests cannot name an adapter.
     lora: LoRAConfig | None = None
+    # What logprobs hold, as vLLM's option: "raw_logprobs" (the model's, under the grammar's mask),
+    # "processed_logprobs" (of the distribution sampled from: after penalties, temperature, top-k/top-p/min-p),
+    # or either's "*_logits" (not normalized). See structgen.engine.logprobs.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -223,6 +236,7 @@ class EngineConfig:
                 raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         if self.lora is not None and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet")
+        check_logprobs_mode(self.logprobs_mode)
         if self.quantization not in QUANTIZATION_CHOICES:
             choices = ", ".join(QUANTIZATION_CHOICES)
             raise ValueError(f"quantization must be one of {choices}; got {self.quantization!r}")

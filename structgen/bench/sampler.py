@@ -1,14 +1,15 @@
 """Time the batched sampler on [64, 100352] logits against a plain `torch.argmax` in the same run.
 
     structgen bench sampler [--batch 64] [--vocab 100352] [--iters 10] [--device cpu|cuda] [--threads N]
-                            [--json OUT]
+                            [--logprobs-mode MODE] [--json OUT]
 
 Cases: `greedy` (every row temperature 0), `sampled` (every row temperature 1, no truncation), `mixed` (a quarter greedy, the rest a mix of temperature, top-k,
 top-p, min-p, seeds, penalties over 256-token histories, logprobs), `top_p` (every row top_p=0.9), and
 `top_p_flat` (the same on nearly flat logits, whose nucleus is too large for the top-k candidates and falls
 back to sorting: the worst case). Logits are Gaussian with std 4: the likeliest token holds ~15% (median)
 and a 0.9 nucleus 1 to 1,000 tokens (median ~480), flatter than most model steps, so most top-p rows need
-the second, larger candidate set. Every row has 5% of its vocabulary masked to -inf, as the
+the second, larger candidate set. `logprobs`: every row temperature 0.8, top_p=0.9 and 5 top logprobs, in
+the sampler's `--logprobs-mode` (the raw default, or processed_logprobs: what that mode costs). Every row has 5% of its vocabulary masked to -inf, as the
 structured-output mask would. Prints the median milliseconds per call and the ratio to `torch.argmax`.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from structgen.config import LOGPROBS_MODES
 from structgen.engine.sampler import Sampler, SamplingRow, make_generator
 from structgen.sampling_params import SamplingParams
 
@@ -70,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES, help="the sampler's logprobs_mode"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write ms/call per case here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -80,13 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits = (torch.randn(args.batch, args.vocab, generator=gen) * 4).masked_fill_(mask, float("-inf"))
     flat = (torch.randn(args.batch, args.vocab, generator=gen) * 0.1).masked_fill_(mask, float("-inf"))
     logits, flat = logits.to(device), flat.to(device)
-    sampler = Sampler()
+    sampler = Sampler(logprobs_mode=args.logprobs_mode)
     cases = {
         "greedy": (logits, [SamplingParams(temperature=0)] * args.batch),
         "sampled": (logits, [SamplingParams()] * args.batch),
         "mixed": (logits, [_MIXED[i % len(_MIXED)] for i in range(args.batch)]),
         "top_p": (logits, [SamplingParams(top_p=0.9)] * args.batch),
         "top_p_flat": (flat, [SamplingParams(top_p=0.9)] * args.batch),
+        "logprobs": (logits, [SamplingParams(temperature=0.8, top_p=0.9, logprobs=5)] * args.batch),
     }
     baseline = _time(lambda: logits.argmax(dim=1).tolist(), args.iters, device)
     print(
@@ -98,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": str(device),
         "batch": args.batch,
         "vocab": args.vocab,
+        "logprobs_mode": args.logprobs_mode,
         "argmax_ms": baseline,
         "cases": {},
     }

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from structgen.commands.lora_flags import add_lora_flags, lora_config
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
+from structgen.config import LOGPROBS_MODES
 from structgen.structured.unroll import DEFAULT_RECURSION_DEPTH
 from structgen.tokenizer.reasoning import REASONING_PARSERS
 
@@ -88,6 +89,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_lora_flags(parser)
     parser.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=list(LOGPROBS_MODES),
+        help="what logprobs hold, as vLLM's option: the model's own (raw_logprobs, the default; under the "
+        "grammar's mask), those of the distribution sampled from after penalties, temperature and top-k/top-p/"
+        "min-p (processed_logprobs), or either's logits (raw_logits, processed_logits)",
+    )
+    parser.add_argument(
         "--max-tokens-default",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -138,6 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         thinking_token_budget=budget,
         speculative_config=getattr(args, "speculative_config", None),
         lora=lora_config(args),
+        logprobs_mode=args.logprobs_mode,
     )
 
 

@@ -49,6 +49,7 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """`reasoning_parser` ("qwen3", "deepseek_r1"): each output's `<think>` reasoning lands in `.reasoning`,
         the answer alone in `.text`, and a structured request's grammar starts after the reasoning;
@@ -57,7 +58,9 @@ class LLM:
         "model": PATH}`): speculative decoding (`structgen.engine.speculative`).
         `enable_lora`: requests may name a PEFT LoRA adapter (`lora_request=LoRARequest(name, id, path)`);
         `max_loras` of them run in one batch, each of rank <= `max_lora_rank`; `max_cpu_loras` caps how many
-        are held at all (`structgen.config.LoRAConfig`)."""
+        are held at all (`structgen.config.LoRAConfig`).
+        `logprobs_mode`: what `logprobs` hold, as vLLM's option ("raw_logprobs", "processed_logprobs",
+        "raw_logits", "processed_logits"; `structgen.engine.logprobs`)."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -88,6 +91,7 @@ class LLM:
                 if enable_lora
                 else None
             ),
+            logprobs_mode=logprobs_mode,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -118,7 +118,9 @@ class LLMEngine:
             block_size=block_size,
             eos_token_ids=self.eos_token_ids,
             num_valid_tokens=min(tokenizer.vocab_size, self.vocab_size),
-            sampler=Sampler(generator=make_generator(config.seed, self.device)),
+            sampler=Sampler(
+                generator=make_generator(config.seed, self.device), logprobs_mode=config.logprobs_mode
+            ),
             enforce_eager=config.enforce_eager,
         )
         self.runner.lora_step = self.lora.step if self.lora is not None else None

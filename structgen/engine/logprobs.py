@@ -1,5 +1,16 @@
-"""Logprobs of the raw model distribution, as vLLM returns by default: log-softmax of the logits the sampler was
-given (structured-output mask included), before penalties, temperature or truncation."""
+"""The logprobs of sampled tokens, in the engine's `logprobs_mode` (vLLM's four):
+
+- "raw_logprobs" (the default, as vLLM's): log-softmax of the logits the sampler was given, structured-output
+  mask included (vLLM applies its grammar bitmask before the sampler too), before penalties, temperature or
+  truncation: the model's own view of the token.
+- "processed_logprobs": log-softmax of the distribution the token was drawn from: after penalties and the
+  min_tokens ban, temperature, then top-k / top-p / min-p (tokens they cut are impossible). What an RL trainer
+  needs for its importance ratios. A greedy row has no temperature: its penalised logits.
+- "raw_logits" / "processed_logits": the same values before normalizing.
+
+Prompt logprobs (`structgen.engine.prompt_logprobs`) follow the logits / logprobs half: a prompt token was not
+sampled, so there is nothing to process.
+"""
 
 from __future__ import annotations
 
@@ -7,48 +18,157 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from structgen.engine.redraw import Draws
     from structgen.engine.sampler import SamplingRow
 
 
-def raw_logprobs(
-    raw: Tensor, rows: Sequence[SamplingRow], token_ids: Tensor
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
-    """(the sampled token's logprob per row, NaN where not asked; the `params.logprobs` best (token, logprob)
-    pairs per row, without impossible tokens), each None when no row asked."""
-    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    if not asked:
-        return None, None
-    part = raw if len(asked) == len(rows) else raw[asked]
-    # log-sum-exp by hand: amax is one fast pass, and torch.logsumexp's handling of -inf entries costs
-    # several more over [B, V]. No row here is all -inf: those raised before.
-    top = part.amax(dim=1, keepdim=True)
-    log_norm = (part - top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
-    picked = part.gather(1, token_ids[asked].unsqueeze(1)) - log_norm
+def asking_rows(rows: Sequence[SamplingRow]) -> list[int]:
+    """The batch rows whose request asked for logprobs."""
+    return [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+
+
+def processed_logits(
+    logits: Tensor, rows: Sequence[SamplingRow], asked: list[int], draws: Draws | None
+) -> Tensor:
+    """The "processed_logits" mode's values. `logits`: rows `asked` of the sampler's logits after the mask,
+    penalties and the min_tokens ban, copied before the picks (those may scale the sampler's own in place).
+    Returns them as the tokens were drawn from them: the sampled rows divided by their temperature, -inf where
+    the draw's probabilities (`draws`, which holds every sampled row of `asked`) are 0: cut by top-k, top-p or
+    min-p, or too unlikely for float32. The truncation is the draw's own, not computed again (its top-p sort
+    would double the sampler's time). Edits `logits`."""
+    sampled = [j for j, i in enumerate(asked) if not rows[i].params.greedy]
+    if not sampled:
+        return logits
+    assert draws is not None, "a sampled row of the batch was not drawn"
+    device = logits.device
+    scale = torch.tensor(
+        [rows[asked[j]].params.temperature for j in sampled], dtype=logits.dtype, device=device
+    ).unsqueeze(1)
+    probs = _drawn_rows(draws, [asked[j] for j in sampled])
+    if len(sampled) == logits.shape[0]:
+        return logits.div_(scale).masked_fill_(probs == 0, -math.inf)
+    at = torch.tensor(sampled, dtype=torch.long, device=device)
+    values = logits.index_select(0, at).div_(scale).masked_fill_(probs == 0, -math.inf)
+    return logits.index_copy_(0, at, values)
+
+
+def processed_logprobs(
+    x: Tensor, rows: Sequence[SamplingRow], asked: list[int], token_ids: Tensor, draws: Draws | None
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The "processed_logprobs" mode's `(logprobs, top_logprobs)` (as `sampled_logprobs`). A sampled row's come
+    from the probabilities it was drawn from (`draws`): their log over their total, which the draw summed
+    already, so this costs less than the raw mode's log-softmax. A greedy row's are the log-softmax of its
+    row of `x`, the logits after the mask, penalties and the min_tokens ban (the picks leave greedy rows
+    of `x` as they were)."""
     logprobs = [math.nan] * len(rows)
-    for i, value in zip(asked, picked.squeeze(1).tolist(), strict=True):
-        logprobs[i] = value
-    wanted = [rows[i].params.logprobs or 0 for i in asked]
-    if not any(wanted):
-        return logprobs, None
     top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
-    for i, pairs in zip(asked, best_logprobs(part, log_norm, wanted), strict=True):
-        top_logprobs[i] = pairs
-    return logprobs, top_logprobs
+    greedy = [i for i in asked if rows[i].params.greedy]
+    sampled = [i for i in asked if not rows[i].params.greedy]
+    if greedy:
+        part = x.index_select(0, torch.tensor(greedy, dtype=torch.long, device=x.device))
+        _fill(
+            logprobs,
+            top_logprobs,
+            greedy,
+            rows,
+            *_logit_values(part, greedy, rows, token_ids, normalize=True),
+        )
+    if sampled:
+        assert draws is not None, "a sampled row of the batch was not drawn"
+        probs = _drawn_rows(draws, sampled)
+        index = torch.tensor([draws.position[i] for i in sampled], dtype=torch.long, device=probs.device)
+        log_total = draws.cdf.block_cum.index_select(0, index)[:, -1:].log()  # float64, [rows, 1]
+        picked = probs.gather(1, token_ids[sampled].unsqueeze(1)).double().log_() - log_total
+        wanted = [rows[i].params.logprobs or 0 for i in sampled]
+        best = best_logprobs(probs, log_total, wanted, of_probs=True)
+        _fill(logprobs, top_logprobs, sampled, rows, picked.squeeze(1).tolist(), best)
+    wanted_any = any(rows[i].params.logprobs for i in asked)
+    return logprobs, top_logprobs if wanted_any else None
 
 
-def best_logprobs(logits: Tensor, log_norm: Tensor, wanted: Sequence[int]) -> list[list[tuple[int, float]]]:
-    """The `wanted[j]` most likely (token, logprob) pairs of row j of `logits` ([rows, vocab]; `log_norm` [rows, 1]
-    its log-normalizers), impossible tokens left out: one `topk` for every row."""
+def sampled_logprobs(
+    values: Tensor,
+    asked: list[int],
+    rows: Sequence[SamplingRow],
+    token_ids: Tensor,
+    *,
+    normalize: bool,
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """(the sampled token's value per row, NaN where not asked; the `params.logprobs` best (token, value) pairs
+    per row, without impossible tokens, or None when no row wants any) for the raw and *_logits modes. `values`
+    holds the rows `asked` (`[len(asked), vocab]`); `normalize`: their log-softmax, else the values themselves
+    (the *_logits modes)."""
+    logprobs = [math.nan] * len(rows)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
+    _fill(
+        logprobs,
+        top_logprobs,
+        asked,
+        rows,
+        *_logit_values(values, asked, rows, token_ids, normalize=normalize),
+    )
+    wanted_any = any(rows[i].params.logprobs for i in asked)
+    return logprobs, top_logprobs if wanted_any else None
+
+
+def best_logprobs(
+    scores: Tensor, log_norm: Tensor, wanted: Sequence[int], *, of_probs: bool = False
+) -> list[list[tuple[int, float]]]:
+    """The `wanted[j]` most likely (token, logprob) pairs of row j of `scores` ([rows, vocab] logits, or
+    probabilities with `of_probs`; `log_norm` [rows, 1] their log-normalizers), impossible tokens left out: one
+    `topk` for every row."""
     k = max(wanted, default=0)
     if k == 0:
         return [[] for _ in wanted]
-    values, ids = logits.topk(min(k, logits.shape[1]), dim=1)
+    values, ids = scores.topk(min(k, scores.shape[1]), dim=1)
+    if of_probs:
+        values = values.double().log_()
     values = (values - log_norm).tolist()
     ids = ids.tolist()
     return [
         [(t, v) for t, v in zip(ids[j][:n], values[j][:n], strict=True) if v != -math.inf]
         for j, n in enumerate(wanted)
     ]
+
+
+def _logit_values(
+    values: Tensor, asked: list[int], rows: Sequence[SamplingRow], token_ids: Tensor, *, normalize: bool
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The picked tokens' values and the best pairs of the rows `asked`, held in `values`."""
+    if normalize:
+        # log-sum-exp by hand: amax is one fast pass, and torch.logsumexp's handling of -inf entries costs
+        # several more over [B, V]. No row here is all -inf: those raised before.
+        top = values.amax(dim=1, keepdim=True)
+        log_norm = (values - top).exp_().sum(dim=1, keepdim=True).log_().add_(top)
+    else:
+        log_norm = values.new_zeros(values.shape[0], 1)
+    picked = values.gather(1, token_ids[asked].unsqueeze(1)) - log_norm
+    wanted = [rows[i].params.logprobs or 0 for i in asked]
+    return picked.squeeze(1).tolist(), best_logprobs(values, log_norm, wanted)
+
+
+def _drawn_rows(draws: Draws, batch_rows: list[int]) -> Tensor:
+    """The probabilities the rows `batch_rows` were drawn from (a view where they are the draw's rows in order:
+    index_select of whole rows costs ~3 ms for [32, 49k] floats here)."""
+    probs = draws.cdf.probs
+    positions = [draws.position[i] for i in batch_rows]
+    if positions == list(range(probs.shape[0])):
+        return probs
+    return probs.index_select(0, torch.tensor(positions, dtype=torch.long, device=probs.device))
+
+
+def _fill(
+    logprobs: list[float],
+    top_logprobs: list[list[tuple[int, float]]],
+    batch_rows: list[int],
+    rows: Sequence[SamplingRow],
+    picked: list[float],
+    best: list[list[tuple[int, float]]],
+) -> None:
+    for i, value, pairs in zip(batch_rows, picked, best, strict=True):
+        logprobs[i] = value
+        top_logprobs[i] = pairs

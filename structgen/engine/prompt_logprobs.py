@@ -15,7 +15,8 @@ Logits are taken `PROMPT_LOGITS_CHUNK` rows at a time: a whole 2,048-token chunk
 400 MB of float32 for numbers reduced at once to a few per row. On the CPU the reduction (log-normalizer and
 rank) is one native call, `structgen.kernels.cpu_token_scores`, where the kernels are built. As the sampled
 tokens' logprobs (`structgen.engine.logprobs`) they come before temperature and penalties; a prompt has no
-structured-output mask, so they are the model's own distribution.
+structured-output mask, so they are the model's own distribution (or its logits, in the engine's "*_logits"
+`logprobs_mode`).
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def score_prompts(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     *,
     num_valid_tokens: int,
+    as_logits: bool = False,
 ) -> None:
     """Append each span's `TokenLogprob`s (logprob, rank, the `prompt_logprobs` best alternatives) to its
-    sequence's `prompt_logprobs`, in prompt order."""
+    sequence's `prompt_logprobs`, in prompt order. `as_logits` (the engine's "*_logits" `logprobs_mode`):
+    the logits themselves instead of logprobs (the ranks are the same)."""
     if not spans:
         return
     targets: list[int] = []
@@ -149,7 +152,7 @@ def score_prompts(
         logits = compute_logits(hidden.index_select(0, index))
         if num_valid_tokens < logits.shape[1]:
             logits[:, num_valid_tokens:] = float("-inf")  # padding rows of the embedding: never tokens
-        entries = _score(logits, target, wanted[begin:end])
+        entries = _score(logits, target, wanted[begin:end], as_logits=as_logits)
         for j, (logprob, rank, top) in enumerate(entries):
             owners[begin + j].prompt_logprobs.append(  # type: ignore[union-attr]
                 TokenLogprob(targets[begin + j], logprob, top, rank)
@@ -158,10 +161,10 @@ def score_prompts(
 
 
 def _score(
-    logits: torch.Tensor, target: torch.Tensor, wanted: list[int]
+    logits: torch.Tensor, target: torch.Tensor, wanted: list[int], *, as_logits: bool
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """(the target's logprob, its rank, the `wanted[j]` best (token, logprob) pairs) per row j of float32
-    `logits`."""
+    `logits`; with `as_logits`, logits in place of the logprobs."""
     targets = target.squeeze(1)
     native = _native() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
     if native is not None:
@@ -170,7 +173,7 @@ def _score(
         from structgen.kernels.cpu_token_scores import token_scores_reference
 
         log_norm, rank = token_scores_reference(logits, targets)
-    log_norm = log_norm.unsqueeze(1)
+    log_norm = torch.zeros_like(log_norm).unsqueeze(1) if as_logits else log_norm.unsqueeze(1)
     logprobs = (logits.gather(1, target) - log_norm).squeeze(1).tolist()
     best = best_logprobs(logits, log_norm, wanted)
     return list(zip(logprobs, rank.tolist(), best, strict=True))

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from structgen.config import check_logprobs_mode
 from structgen.engine.fast_picks import list_allowed_rows, pick_among_allowed, row_argmax
 from structgen.engine.inverse_cdf import InverseCdf
-from structgen.engine.logprobs import raw_logprobs
+from structgen.engine.logprobs import asking_rows, processed_logits, processed_logprobs, sampled_logprobs
 from structgen.engine.penalties import apply_penalties, ban_tokens
 from structgen.engine.redraw import Draws
 from structgen.engine.token_mask import TokenMask, needs_masked_distribution
@@ -104,9 +105,13 @@ def fork_generator(
 class Sampler:
     """Samples one token per row of a batch; stateless apart from the generator of unseeded rows."""
 
-    def __init__(self, *, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, *, generator: torch.Generator | None = None, logprobs_mode: str = "raw_logprobs"
+    ) -> None:
         # None draws unseeded rows from torch's default generator (seeded by torch.manual_seed).
         self.generator = generator
+        # What `SamplerOutput.logprobs` hold (`structgen.engine.logprobs`).
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def __call__(
         self, logits: Tensor, rows: Sequence[SamplingRow], *, mask: TokenMask | None = None
@@ -128,6 +133,11 @@ class Sampler:
                     (hinted if i in hint else lazy).append(i)
             mask.apply(raw, masked_first)
         x = _apply_history(raw, rows)
+        asked = asking_rows(rows)  # masked first (`needs_masked_distribution`): x holds their whole mask
+        # The processed_logits mode's logits, kept before the picks (which may scale x in place).
+        kept = None
+        if asked and self.logprobs_mode == "processed_logits":
+            kept = x.clone() if len(asked) == batch else x.index_select(0, _index(asked, x.device))
         token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
         ok = torch.empty(batch, dtype=torch.bool, device=raw.device)
         # A call that raises puts the generators back, so the engine can rerun the good rows and seeded
@@ -165,7 +175,17 @@ class Sampler:
             for generator, state in saved:
                 generator.set_state(state)
             raise _dead_rows_error(raw, bad)
-        logprobs, top_logprobs = raw_logprobs(raw, rows, token_ids)
+        if not asked:
+            return SamplerOutput(token_ids=ids)
+        if self.logprobs_mode == "processed_logprobs":
+            logprobs, top_logprobs = processed_logprobs(x, rows, asked, token_ids, draws)
+        else:
+            if kept is not None:
+                values = processed_logits(kept, rows, asked, draws)
+            else:
+                values = raw if len(asked) == batch else raw.index_select(0, _index(asked, raw.device))
+            normalize = self.logprobs_mode == "raw_logprobs"
+            logprobs, top_logprobs = sampled_logprobs(values, asked, rows, token_ids, normalize=normalize)
         return SamplerOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def _pick(

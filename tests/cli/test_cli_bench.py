@@ -19,15 +19,15 @@ def test_bench_runs_a_moved_benchmark_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sampler.json"
-    assert (
-        main(["bench", "sampler", "--batch", "2", "--vocab", "256", "--iters", "1", "--json", str(out)]) == 0
-    )
+    args = ["bench", "sampler", "--batch", "2", "--vocab", "256", "--iters", "1", "--json", str(out)]
+    assert main([*args, "--logprobs-mode", "processed_logprobs"]) == 0
     table = capsys.readouterr().out
     assert "x argmax" in table and "top_p_flat" in table
     report = json.loads(out.read_text())
     assert (
-        set(report["cases"]) == {"greedy", "sampled", "mixed", "top_p", "top_p_flat"}
+        set(report["cases"]) == {"greedy", "sampled", "mixed", "top_p", "top_p_flat", "logprobs"}
         and report["argmax_ms"] > 0
+        and report["logprobs_mode"] == "processed_logprobs"
     )
 
 

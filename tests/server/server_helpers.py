@@ -32,13 +32,19 @@ FORECAST = {
 }
 
 
-def tiny_engine(*, max_num_seqs: int = 256, structured: StructuredOutputConfig | None = None) -> AsyncEngine:
+def tiny_engine(
+    *,
+    max_num_seqs: int = 256,
+    structured: StructuredOutputConfig | None = None,
+    logprobs_mode: str = "raw_logprobs",
+) -> AsyncEngine:
     config = EngineConfig(
         model="tiny",
         device="cpu",
         cache=CacheConfig(kv_cache_tokens=TINY_KV_CACHE_TOKENS),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         structured=structured,
+        logprobs_mode=logprobs_mode,
     )
     return AsyncEngine(LLMEngine(config))
 
