@@ -37,6 +37,10 @@ BENCHMARKS = {
         "startup",
         "seconds to start: --help, imports, the engine, structgen serve until it answers (fresh processes)",
     ),
+    "llm-thread": (
+        "llm_thread",
+        "an offline LLM called from a worker thread: its own step thread vs the engine stepped there (before)",
+    ),
     "cpu-linears": (
         "cpu_linears",
         "a model's linear products by batch rows: each CPU kernel (int8-x, int16-x GEMV, ...) vs the dense one",

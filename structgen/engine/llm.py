@@ -11,6 +11,7 @@ from structgen.engine.inputs import PromptInput
 from structgen.engine.llm_engine import LLMEngine
 from structgen.engine.outputs import RequestOutput
 from structgen.engine.progress import progress_bar
+from structgen.engine.step_thread import StepThread
 from structgen.lora.request import LoRARequest
 from structgen.sampling_params import SamplingParams
 
@@ -93,15 +94,22 @@ class LLM:
             ),
             logprobs_mode=logprobs_mode,
         )
-        self.engine = LLMEngine(config)
+        # Built and stepped on a thread of its own, whichever thread calls (`structgen.engine.step_thread`).
+        self._steps = StepThread()
+        try:
+            self.engine = self._steps.call(LLMEngine, config)
+        except BaseException:
+            self._steps.shutdown()
+            raise
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (they stop at interpreter exit otherwise)."""
-        self.engine.shutdown()
+        """Stop the tensor-parallel workers now (they stop at interpreter exit otherwise) and the step thread."""
+        self._steps.call(self.engine.shutdown)
+        self._steps.shutdown()
 
     def generate(
         self,
@@ -131,7 +139,9 @@ class LLM:
         else:
             param_list = [params if params is not None else SamplingParams()] * len(prompt_list)
         loras = self._lora_requests(lora_request, len(prompt_list))
-        return self._run(prompt_list, param_list, loras, use_tqdm=use_tqdm, reasoning=reasoning)
+        return self._steps.call(
+            self._run, prompt_list, param_list, loras, use_tqdm=use_tqdm, reasoning=reasoning
+        )
 
     def chat(
         self,
@@ -211,6 +221,8 @@ class LLM:
         with progress_bar(len(prompts), enabled=use_tqdm) as advance:
             try:
                 while len(results) < len(ids):
+                    if self._steps.cancelled.is_set():  # the caller was interrupted: abort below
+                        raise KeyboardInterrupt
                     for out in engine.step():
                         results[out.request_id] = out
                         advance(sum(len(o.token_ids) for o in out.outputs))

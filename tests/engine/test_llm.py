@@ -61,6 +61,11 @@ def test_waiting_for_a_grammar_does_not_spin(llm: LLM, monkeypatch: pytest.Monke
     from structgen.structured import StructuredOutputsParams
 
     engine = llm.engine
+    # The first grammar of an engine also builds its backends' vocabulary tables (seconds for tiny's 100k tokens,
+    # unless another engine of the process built them): done here, so the compile below takes its 0.5 s.
+    llm.generate(
+        "n", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    )
     manager = engine.structured.ensure_manager()
     slow = manager._compile  # the one place where a compile can be made slow
 
