@@ -1,14 +1,59 @@
 """Logit edits that depend on a request's history: vLLM's repetition / presence / frequency penalties and
-the min_tokens ban of stop tokens. Both work in place on a `[rows, vocab]` float32 tensor, all rows at once.
+the min_tokens ban of stop tokens. Both work in place on a `[rows, vocab]` float32 tensor, all rows at once;
+`apply_history` applies them to a sampler's batch, on a copy.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from structgen.engine.sampler import SamplingRow
+    from structgen.sampling_params import SamplingParams
+
+
+def apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Penalties and the min_tokens ban on a copy of `raw` (kept intact for logprobs); `raw` if none apply."""
+    penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    banned = [(i, ids) for i, row in enumerate(rows) if (ids := _min_tokens_ban(row))]
+    if not penalised and not banned:
+        return raw
+    x = raw.clone()
+    if penalised:
+        # The penalties touch only history tokens, so rows without any get empty histories, not a copy.
+        chosen = set(penalised)
+        apply_penalties(
+            x,
+            [row.prompt_token_ids if i in chosen else () for i, row in enumerate(rows)],
+            [row.output_token_ids if i in chosen else () for i, row in enumerate(rows)],
+            repetition=[row.params.repetition_penalty for row in rows],
+            frequency=[row.params.frequency_penalty for row in rows],
+            presence=[row.params.presence_penalty for row in rows],
+        )
+    if banned:
+        ban_tokens(x, banned)
+    return x
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    )
+
+
+def _min_tokens_ban(row: SamplingRow) -> list[int]:
+    """Token ids the row may not produce yet: its stop ids, and EOS unless ignore_eos."""
+    if len(row.output_token_ids) >= row.params.min_tokens:
+        return []
+    ids = set(row.params.stop_token_ids or ())
+    if not row.params.ignore_eos:
+        ids |= row.eos_token_ids
+    return sorted(ids)
 
 
 def apply_penalties(

@@ -30,7 +30,7 @@ from structgen.config import check_logprobs_mode
 from structgen.engine.fast_picks import list_allowed_rows, pick_among_allowed, row_argmax
 from structgen.engine.inverse_cdf import InverseCdf
 from structgen.engine.logprobs import asking_rows, processed_logits, processed_logprobs, sampled_logprobs
-from structgen.engine.penalties import apply_penalties, ban_tokens
+from structgen.engine.penalties import apply_history
 from structgen.engine.redraw import Draws
 from structgen.engine.token_mask import TokenMask, needs_masked_distribution
 from structgen.engine.truncation import apply_min_p, apply_top_k_top_p
@@ -132,7 +132,7 @@ class Sampler:
                 else:
                     (hinted if i in hint else lazy).append(i)
             mask.apply(raw, masked_first)
-        x = _apply_history(raw, rows)
+        x = apply_history(raw, rows)
         asked = asking_rows(rows)  # masked first (`needs_masked_distribution`): x holds their whole mask
         # The processed_logits mode's logits, kept before the picks (which may scale x in place).
         kept = None
@@ -358,45 +358,6 @@ class Sampler:
 
 def _index(rows: list[int], device: torch.device) -> Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _apply_history(raw: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Penalties and the min_tokens ban on a copy of `raw` (kept intact for logprobs); `raw` if none apply."""
-    penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
-    banned = [(i, ids) for i, row in enumerate(rows) if (ids := _min_tokens_ban(row))]
-    if not penalised and not banned:
-        return raw
-    x = raw.clone()
-    if penalised:
-        # The penalties touch only history tokens, so rows without any get empty histories, not a copy.
-        chosen = set(penalised)
-        apply_penalties(
-            x,
-            [row.prompt_token_ids if i in chosen else () for i, row in enumerate(rows)],
-            [row.output_token_ids if i in chosen else () for i, row in enumerate(rows)],
-            repetition=[row.params.repetition_penalty for row in rows],
-            frequency=[row.params.frequency_penalty for row in rows],
-            presence=[row.params.presence_penalty for row in rows],
-        )
-    if banned:
-        ban_tokens(x, banned)
-    return x
-
-
-def _has_penalty(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )
-
-
-def _min_tokens_ban(row: SamplingRow) -> list[int]:
-    """Token ids the row may not produce yet: its stop ids, and EOS unless ignore_eos."""
-    if len(row.output_token_ids) >= row.params.min_tokens:
-        return []
-    ids = set(row.params.stop_token_ids or ())
-    if not row.params.ignore_eos:
-        ids |= row.eos_token_ids
-    return sorted(ids)
 
 
 def _dead_rows_error(raw: Tensor, bad: list[int]) -> SamplerError:
