@@ -48,7 +48,7 @@ def processed_logits(
     scale = torch.tensor(
         [rows[asked[j]].params.temperature for j in sampled], dtype=logits.dtype, device=device
     ).unsqueeze(1)
-    probs = _drawn_rows(draws, [asked[j] for j in sampled])
+    probs, _ = _drawn_rows(draws, [asked[j] for j in sampled])
     if len(sampled) == logits.shape[0]:
         return logits.div_(scale).masked_fill_(probs == 0, -math.inf)
     at = torch.tensor(sampled, dtype=torch.long, device=device)
@@ -64,30 +64,22 @@ def processed_logprobs(
     already, so this costs less than the raw mode's log-softmax. A greedy row's are the log-softmax of its
     row of `x`, the logits after the mask, penalties and the min_tokens ban (the picks leave greedy rows
     of `x` as they were)."""
-    logprobs = [math.nan] * len(rows)
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
     greedy = [i for i in asked if rows[i].params.greedy]
     sampled = [i for i in asked if not rows[i].params.greedy]
+    parts = []
     if greedy:
         part = x.index_select(0, torch.tensor(greedy, dtype=torch.long, device=x.device))
-        _fill(
-            logprobs,
-            top_logprobs,
-            greedy,
-            rows,
-            *_logit_values(part, greedy, rows, token_ids, normalize=True),
-        )
+        parts.append((greedy, *_logit_values(part, greedy, rows, token_ids, normalize=True)))
     if sampled:
         assert draws is not None, "a sampled row of the batch was not drawn"
-        probs = _drawn_rows(draws, sampled)
-        index = torch.tensor([draws.position[i] for i in sampled], dtype=torch.long, device=probs.device)
+        probs, index = _drawn_rows(draws, sampled)
         log_total = draws.cdf.block_cum.index_select(0, index)[:, -1:].log()  # float64, [rows, 1]
         picked = probs.gather(1, token_ids[sampled].unsqueeze(1)).double().log_() - log_total
         wanted = [rows[i].params.logprobs or 0 for i in sampled]
-        best = best_logprobs(probs, log_total, wanted, of_probs=True)
-        _fill(logprobs, top_logprobs, sampled, rows, picked.squeeze(1).tolist(), best)
-    wanted_any = any(rows[i].params.logprobs for i in asked)
-    return logprobs, top_logprobs if wanted_any else None
+        parts.append(
+            (sampled, picked.squeeze(1).tolist(), best_logprobs(probs, log_total, wanted, of_probs=True))
+        )
+    return _outputs(rows, asked, parts)
 
 
 def sampled_logprobs(
@@ -102,17 +94,9 @@ def sampled_logprobs(
     per row, without impossible tokens, or None when no row wants any) for the raw and *_logits modes. `values`
     holds the rows `asked` (`[len(asked), vocab]`); `normalize`: their log-softmax, else the values themselves
     (the *_logits modes)."""
-    logprobs = [math.nan] * len(rows)
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
-    _fill(
-        logprobs,
-        top_logprobs,
-        asked,
-        rows,
-        *_logit_values(values, asked, rows, token_ids, normalize=normalize),
+    return _outputs(
+        rows, asked, [(asked, *_logit_values(values, asked, rows, token_ids, normalize=normalize))]
     )
-    wanted_any = any(rows[i].params.logprobs for i in asked)
-    return logprobs, top_logprobs if wanted_any else None
 
 
 def best_logprobs(
@@ -151,24 +135,29 @@ def _logit_values(
     return picked.squeeze(1).tolist(), best_logprobs(values, log_norm, wanted)
 
 
-def _drawn_rows(draws: Draws, batch_rows: list[int]) -> Tensor:
-    """The probabilities the rows `batch_rows` were drawn from (a view where they are the draw's rows in order:
-    index_select of whole rows costs ~3 ms for [32, 49k] floats here)."""
+def _drawn_rows(draws: Draws, batch_rows: list[int]) -> tuple[Tensor, Tensor]:
+    """(the probabilities the rows `batch_rows` were drawn from, their rows in the draw as a long tensor). The
+    probabilities are a view where they are the draw's rows in order: index_select of whole rows costs ~3 ms for
+    [32, 49k] floats here."""
     probs = draws.cdf.probs
     positions = [draws.position[i] for i in batch_rows]
+    index = torch.tensor(positions, dtype=torch.long, device=probs.device)
     if positions == list(range(probs.shape[0])):
-        return probs
-    return probs.index_select(0, torch.tensor(positions, dtype=torch.long, device=probs.device))
+        return probs, index
+    return probs.index_select(0, index), index
 
 
-def _fill(
-    logprobs: list[float],
-    top_logprobs: list[list[tuple[int, float]]],
-    batch_rows: list[int],
+def _outputs(
     rows: Sequence[SamplingRow],
-    picked: list[float],
-    best: list[list[tuple[int, float]]],
-) -> None:
-    for i, value, pairs in zip(batch_rows, picked, best, strict=True):
-        logprobs[i] = value
-        top_logprobs[i] = pairs
+    asked: list[int],
+    parts: list[tuple[list[int], list[float], list[list[tuple[int, float]]]]],
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The per-batch-row lists from `parts`, each (batch rows, their picked values, their best pairs): NaN and
+    no pairs for the rows not asked, and no pair lists at all when no asked row wants any."""
+    logprobs = [math.nan] * len(rows)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for batch_rows, picked, best in parts:
+        for i, value, pairs in zip(batch_rows, picked, best, strict=True):
+            logprobs[i] = value
+            top_logprobs[i] = pairs
+    return logprobs, top_logprobs if any(rows[i].params.logprobs for i in asked) else None

@@ -67,8 +67,7 @@ class ModelRunner:
         # Embedding rows past the tokenizer's vocabulary are padding; the model must never sample them.
         self.num_valid_tokens = num_valid_tokens if num_valid_tokens is not None else self.vocab_size
         self.sampler = sampler if sampler is not None else Sampler()
-        # The engine's "*_logits" logprobs_mode: prompt logprobs are logits too.
-        self.prompt_logits = self.sampler.logprobs_mode.endswith("_logits")
+        self.prompt_logits = self.sampler.logprobs_mode.endswith("_logits")  # the *_logits modes: logits too
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         self._pin = device.type == "cuda"
