@@ -87,5 +87,9 @@ def test_kernel_refuses_mismatched_arguments() -> None:
         cpu_woq.woq_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), as_uint8)
     with pytest.raises(ValueError, match="out must be"):
         cpu_woq.woq_gemv(torch.zeros(2, 64, dtype=torch.bfloat16), weight, out=torch.empty(3, 64))
-    with pytest.raises(ValueError, match="int linear"):
+    with pytest.raises(ValueError, match="int linear"):  # the launcher's check, before a reshape
+        cpu_woq.woq_gemv(torch.zeros(2, 1, 48, dtype=torch.bfloat16), weight)
+    with pytest.raises(
+        ValueError, match="x has K = 48"
+    ):  # fp32 goes to the AVX2 kernel, which checks K itself
         cpu_woq.woq_gemv(torch.zeros(2, 48), weight)

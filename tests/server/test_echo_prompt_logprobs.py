@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import torch
 from server_helpers import KEY, USER, assert_error, call, sse_events
 
 from structgen.engine.async_engine import AsyncEngine
@@ -21,12 +22,17 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 OTHER = "Once upon a time"
 # Greedy (each token the most likely) and long enough to run past any stop.
 GREEDY = {"temperature": 0, "ignore_eos": True}
-ABS = 1e-3  # float32 on CPU: a prompt position and a decode step of the same token agree to ~1e-5
 
 
 @pytest.fixture(scope="module")
 def app(engine: AsyncEngine) -> Any:
     return build_app(engine, engine.engine.tokenizer, model_name="tiny", api_key=KEY)
+
+
+def tolerance(engine: AsyncEngine) -> float:
+    """How far a prompt position's logprob and a decode step's of the same token may be apart: float32 (CPUs
+    without bf16 in hardware) agrees to ~1e-5; bf16 rounds the two paths' activations differently (~8e-3 seen)."""
+    return 1e-3 if engine.engine.runner.dtype == torch.float32 else 2e-2
 
 
 def text_of(engine: AsyncEngine, token_id: int) -> str:
@@ -85,7 +91,9 @@ def test_echo_with_logprobs_covers_the_prompt_then_the_sampled_tokens(app: Any, 
     plain = completion(app, **body | {"echo": False})["choices"][0]
     assert choice["text"] == PROMPT + plain["text"]
     assert logprobs["tokens"][count:] == plain["logprobs"]["tokens"]
-    assert logprobs["token_logprobs"][count:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=ABS)
+    assert logprobs["token_logprobs"][count:] == pytest.approx(
+        plain["logprobs"]["token_logprobs"], abs=tolerance(engine)
+    )
     assert [o - len(PROMPT) for o in offsets[count:]] == plain["logprobs"]["text_offset"]
     assert "prompt_logprobs" not in choice  # vLLM's field only when asked for
 
@@ -156,7 +164,7 @@ def test_a_streamed_echo_sends_the_prompts_logprobs_first(app: Any, engine: Asyn
     )  # the sampled ones go on after the prompt
     count = len(echoed["logprobs"]["tokens"])
     assert streamed["token_logprobs"][count:] == pytest.approx(
-        plain["logprobs"]["token_logprobs"][count:], abs=ABS
+        plain["logprobs"]["token_logprobs"][count:], abs=tolerance(engine)
     )
 
 
@@ -267,4 +275,6 @@ def test_scoring_a_greedy_continuation_gives_back_its_sampled_logprobs(app: Any,
     scored = completion(app, prompt=ids + continuation, max_tokens=0, echo=True, logprobs=0, temperature=0)
     logprobs = scored["choices"][0]["logprobs"]
     assert logprobs["tokens"][-k:] == generated["tokens"]
-    assert logprobs["token_logprobs"][-k:] == pytest.approx(generated["token_logprobs"], abs=ABS)
+    assert logprobs["token_logprobs"][-k:] == pytest.approx(
+        generated["token_logprobs"], abs=tolerance(engine)
+    )

@@ -45,7 +45,10 @@ def test_top_k_alternatives_are_the_whole_distribution(app: Any) -> None:
     assert len(content) == 6
     for entry in content:
         alternatives = {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
-        assert 1 <= len(alternatives) <= 3  # top_k = 3: the other two asked for cannot be drawn
+        # top_k = 3: the other two asked for cannot be drawn, unless they tie with the third (a threshold
+        # keeps ties, as vLLM's does; bf16 logits tie often)
+        ranked = sorted(alternatives.values(), reverse=True)
+        assert ranked and all(v == ranked[2] for v in ranked[3:])
         assert sum(math.exp(v) for v in alternatives.values()) == pytest.approx(1.0, abs=1e-4)
         assert alternatives[entry["token"]] == pytest.approx(entry["logprob"], abs=1e-6)
 

@@ -76,8 +76,11 @@ def test_a_response_cut_by_its_budget_is_incomplete_with_usage(app: Any, engine:
         data["text"] == {"format": {"type": "text"}} and data["tool_choice"] == "auto" and data["tools"] == []
     )
     assert data["parallel_tool_calls"] is True and data["store"] is True and data["truncation"] == "disabled"
-    # The same seed, the same text: the sampling fields reach the engine.
-    assert text_of(create(app, input="Give me a number.", ignore_eos=True, seed=5)) == text_of(data)
+    # The same seed, the same text: the sampling fields reach the engine. Both repeats find the prompt in the
+    # prefix cache: a first run computed it whole, and in bf16 the two paths' logits differ in the last bits,
+    # enough to move a draw from a flat (random-weight) distribution to the next token.
+    again = text_of(create(app, input="Give me a number.", ignore_eos=True, seed=5))
+    assert text_of(create(app, input="Give me a number.", ignore_eos=True, seed=5)) == again
 
 
 def test_a_finished_response_is_completed(app: Any) -> None:
