@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SMOLLM2_KV_CACHE_TOKENS = 8192
+
+# The threads an engine starts (step threads, grammar compile and mask pools) go by names starting with this.
+ENGINE_THREAD_PREFIX = "structgen-"
+# Each such thread seen alive after a test, and the first test it was seen after (the one that started it).
+_started_by: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(ENGINE_THREAD_PREFIX)]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    for thread in _engine_threads():
+        _started_by.setdefault(thread, item.nodeid)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_engine_thread_outlives_the_session() -> Iterator[None]:
+    """Every engine a test builds is shut down by the end: one left running holds its model and KV cache for
+    the rest of the worker's life, and its step thread competes for the cores. Set up first, so torn down
+    after every other session fixture (the shared engines among them); a leak fails the worker's last test."""
+    yield
+    gc.collect()  # an engine dropped without shutdown ends its pools' threads when collected
+    leaked = _engine_threads()
+    for thread in leaked:
+        thread.join(timeout=5)  # one shutting down now (a pool's idle thread, a step thread finishing)
+    leaked = [t for t in leaked if t.is_alive()]
+    assert not leaked, "engine threads still running after the session: " + ", ".join(
+        f"{t.name} (started by {_started_by.get(t, 'an unknown test')})" for t in leaked
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")

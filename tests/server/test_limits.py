@@ -160,13 +160,19 @@ def test_429_when_the_waiting_queue_is_full() -> None:
             with client.stream("POST", "/v1/completions", json=long) as running:
                 assert running.status_code == 200
                 next(running.iter_lines())  # it holds the only sequence slot now
-                waiter = threading.Thread(
-                    target=lambda: client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-                )
+                answered: list[Any] = []  # what the waiter got, for the message if it never queues
+
+                def wait_for_the_slot() -> None:
+                    try:
+                        answered.append(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+                    except Exception as exc:
+                        answered.append(exc)
+
+                waiter = threading.Thread(target=wait_for_the_slot)
                 waiter.start()
                 deadline = time.monotonic() + 10
                 while lifecycle.num_queued < 1:
-                    assert time.monotonic() < deadline
+                    assert time.monotonic() < deadline, f"the second request never queued; it got {answered}"
                     time.sleep(0.01)
                 refused = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
                 assert_error(refused, 429, "busy")
