@@ -1,6 +1,6 @@
-"""How long structgen takes to start, each measure in fresh processes, against the start-up before session 36.
+"""How long structgen takes to start, each measure in fresh processes, against the start-up of earlier sessions.
 
-    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf] [--measures ...] [--json OUT]
+    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf,packed] [--measures ...] [--json OUT]
 
 Measures (the median of `--repeats` fresh processes, alternating the two sides when `--off` is given):
 - `help`: `structgen --help`, process start to exit;
@@ -15,7 +15,8 @@ Measures (the median of `--repeats` fresh processes, alternating the two sides w
 for a before/after in the same code: `exports` (`structgen.structured` imports every module it exports, and so
 torch and jsonschema, as soon as anything under it is imported: the CLI's help did), `iri` (rfc3987-syntax's IRI
 parser built at import, as `jsonschema` builds it when nothing defers it) and `gguf` (GGUF headers read by the
-`gguf` package's `GGUFReader`).
+`gguf` package's `GGUFReader`); and session 38's `packed` (the 4-bit kernels' weights built from the GGUF in
+every process, not read from `structgen.models.packed_cache`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-OFF_PARTS = ("exports", "iri", "gguf")
+OFF_PARTS = ("exports", "iri", "gguf", "packed")
 
 # Run first in a child with parts switched off: each puts the previous start-up back for that process.
 _OFF_CODE = {
@@ -44,6 +45,7 @@ _OFF_CODE = {
         "from structgen.bench.startup import gguf_package_reader as _reader\n"
         "_gguf.open_gguf = _reader\n"
     ),
+    "packed": "import os as _os\n_os.environ['STRUCTGEN_PACKED_CACHE'] = '0'\n",
 }
 
 
@@ -167,12 +169,14 @@ def measure(model: str, *, off: set[str], measures: Sequence[str] = MEASURES) ->
 
 
 def _warm_up(model: str) -> None:
-    """Convert the model on a machine's first run (a GGUF's checkpoint, `tiny`'s random one), and bring its files
-    into the page cache, so that no measure pays for either."""
+    """Convert the model on a machine's first run (a GGUF's checkpoint, `tiny`'s random one), cache its packed
+    weights (one `LLM` in a child), and bring its files into the page cache, so that no measure pays for these."""
+    from structgen.models.packed_cache import cache_files
     from structgen.models.registry import resolve_model
 
     model_dir = resolve_model(model)
-    for path in model_dir.rglob("*"):
+    _python(f"from structgen.engine.llm import LLM\nLLM(model={model!r})\n", off=set())
+    for path in [*model_dir.rglob("*"), *cache_files()]:
         if path.is_file():
             with path.open("rb") as f:
                 while f.read(1 << 24):

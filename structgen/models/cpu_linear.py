@@ -230,11 +230,17 @@ def _four_bit_weights(
 ) -> tuple[dict[str, Any], dict[str, WoqWeight]] | None:
     """(4-bit values by name, the kernels' packed weights by module name): a GGUF's own blocks, or with "int4"
     (or "w4a8") each weight quantized per group of 32; None where there is neither."""
-    from structgen.models import int4, woq
+    from structgen.models import int4, packed_cache, woq
 
     if gguf_path is not None:
-        values = int4.load_gguf_int4_weights(gguf_path, model.config)
-        return values, woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
+
+        def build() -> tuple[dict[str, Any], dict[str, WoqWeight]]:
+            values = int4.load_gguf_int4_weights(gguf_path, model.config)
+            return values, woq.build_woq_kernels(model, values, woq.load_gguf_q8_0_weights(gguf_path))
+
+        return packed_cache.four_bit_weights(
+            gguf_path, model, build=build, values_needed=lambda v, p: _int4_values_used(model, layers, v, p)
+        )
     if quantization not in ("int4", "w4a8"):
         return None
     values = {
@@ -243,6 +249,25 @@ def _four_bit_weights(
         if module.weight.shape[0] % int4.ROW_ALIGNMENT == 0
     }
     return values, woq.build_woq_kernels(model, values, {}, by_module=True)
+
+
+def _int4_values_used(
+    model: nn.Module, layers: list[tuple[str, nn.Module]], values: dict[str, Any], packed: dict[str, WoqWeight]
+) -> set[str]:
+    """The int4 values (by HF name) that `attach_int4` hands torch's int4 kernel: a bf16 model's layers the VNNI
+    GEMV does not take (none for fp32, whose layers take the AVX2 GEMV alone)."""
+    from structgen.kernels import cpu_woq
+    from structgen.models.int4 import layer_sources
+
+    if next(model.parameters()).dtype == torch.float32:
+        return set()
+    with_gemv = set(packed) if cpu_woq.gemv_available() else set()
+    return {
+        source
+        for name, module in layers
+        if name not in with_gemv
+        for source in layer_sources(model, name, module, values)
+    }
 
 
 def _attach_fp32_gemv(

@@ -1,5 +1,5 @@
 """`structgen bench startup`: each measure runs in fresh processes, `--off` switches session 36's start-up parts
-off in those processes only, and bad arguments exit with a message."""
+(and session 38's packed-weight cache) off in those processes only, and bad arguments exit with a message."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
     code = (
         "import sys\nimport structgen.structured.validate\n"
         "state = ['rfc3987_syntax.syntax_helpers' in sys.modules, 'torch' in sys.modules]\n"
-        "import structgen.models.gguf as g\n"
-        "print(*state, g.open_gguf.__module__)\n"
+        "import os\nimport structgen.models.gguf as g\n"
+        "print(*state, g.open_gguf.__module__, os.environ.get('STRUCTGEN_PACKED_CACHE'))\n"
     )
 
     def state(off: set[str]) -> str:
@@ -48,7 +48,7 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
         )
         return done.stdout.strip()
 
-    assert state({"exports", "iri", "gguf"}) == "True True structgen.bench.startup"
+    assert state({"exports", "iri", "gguf", "packed"}) == "True True structgen.bench.startup 0"
 
 
 def test_the_gguf_package_reader_reads_what_structgen_reads(tmp_path: Path) -> None:
