@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from structgen.commands.structured_flags import add_structured_flags, structured_switches
+from structgen.config import LOGPROBS_MODES
 from structgen.tokenizer.reasoning import REASONING_PARSERS, ReasoningParserError
 
 EXAMPLES = """\
@@ -21,6 +22,7 @@ examples:
   structgen generate --messages chat.json --pydantic myapp.models:Person
   structgen generate --model tiny --prompt "digits" --regex "[0-9]{4}" --max-tokens 8
   structgen generate --model tiny --lora-path ./sql-adapter --prompt "List the users."
+  structgen generate --prompt "Capital of France?" --logprobs 3 --logprobs-mode processed_logprobs
 
 --messages FILE holds a JSON list of chat messages ({"role": ..., "content": ...}). --pydantic imports
 module:Class (the current directory is on the import path), constrains the output to its JSON Schema and
@@ -54,6 +56,19 @@ def add_parser(
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print (stderr) each generated token's logprob and its N most likely alternatives (0-20)",
+    )
+    gen.add_argument(
+        "--logprobs-mode",
+        default=None,
+        choices=list(LOGPROBS_MODES),
+        help="what --logprobs prints, as the server's option (default raw_logprobs)",
+    )
     shape = gen.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON Schema")
     shape.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
@@ -83,10 +98,13 @@ def add_parser(
 
 def run(args: argparse.Namespace) -> int:
     from structgen import SamplingParams
+    from structgen.sampling_params import MAX_LOGPROBS
 
     try:
         model_class = _pydantic_class(args.pydantic) if args.pydantic else None
         messages = _messages(args)
+        if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+            raise UsageError(f"--logprobs takes 0 to {MAX_LOGPROBS} alternatives, got {args.logprobs}")
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -95,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop,
             structured_outputs=_structured_outputs(args, model_class),  # type: ignore[arg-type]
             thinking_token_budget=args.thinking_token_budget,
+            logprobs=args.logprobs,
         )
         if args.thinking_token_budget is not None and args.reasoning_parser is None:
             raise UsageError("--thinking-token-budget needs --reasoning-parser")
+        if args.logprobs_mode is not None and args.logprobs is None:
+            raise UsageError("--logprobs-mode needs --logprobs")
         lora = _lora_config(args)
     except (UsageError, ValueError, OSError) as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
@@ -116,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         structured=structured,
         reasoning_parser=args.reasoning_parser,
         lora=lora,
+        logprobs_mode=args.logprobs_mode or "raw_logprobs",
     )
     lora_request = LoRARequest("adapter", 1, args.lora_path) if args.lora_path else None
     try:
@@ -149,7 +171,24 @@ def run(args: argparse.Namespace) -> int:
     if completion.reasoning is not None and not args.stream:
         print(completion.reasoning, file=sys.stderr)
     print("" if args.stream else completion.text)
+    if completion.logprobs is not None:
+        _print_logprobs(completion.logprobs, tokenizer, mode=config.logprobs_mode)
     return _report(completion, model_class)
+
+
+def _print_logprobs(logprobs: list[Any], tokenizer: Any, *, mode: str) -> None:
+    """One stderr line per generated token: its position, text, value and the alternatives asked for. A token the
+    grammar forced (jump-forward) reads 0.0 with no alternatives: it was the only one possible."""
+
+    def text(token_id: int) -> str:
+        return repr(tokenizer.token_bytes(token_id).decode("utf-8", errors="replace"))
+
+    print(f"[{mode}: position token value | alternatives]", file=sys.stderr)
+    for i, entry in enumerate(logprobs):
+        line = f"{i:>4} {text(entry.token_id)} {entry.logprob:.4f}"
+        if entry.top_logprobs:
+            line += " | " + ", ".join(f"{text(t)} {v:.4f}" for t, v in entry.top_logprobs)
+        print(line, file=sys.stderr)
 
 
 def _lora_config(args: argparse.Namespace) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -99,3 +100,47 @@ def test_pydantic_import_leaves_sys_path_as_it_was(
     assert sys.path == before
     assert main(["generate", "--messages", str(messages), "--pydantic", "nosuch_module_xyz:M"]) == 2
     assert sys.path == before
+
+
+def test_logprobs_print_each_token_and_its_alternatives(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "3", "--logprobs", "2"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == "[raw_logprobs: position token value | alternatives]"
+    rows = lines[1:4]
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"] and lines[4].startswith(
+        "[finish_reason=length"
+    )
+    for row in rows:
+        picked, alternatives = row.split(" | ")
+        values = [float(part.rsplit(" ", 1)[1]) for part in alternatives.split(", ")]
+        assert len(values) == 2 and values[0] >= values[1]
+        # greedy (the default temperature 0): the token is the most likely one, listed first with its value
+        assert float(picked.rsplit(" ", 1)[1]) == pytest.approx(values[0], abs=1e-4)
+        assert values[0] < 0
+
+
+def test_logprobs_under_a_grammar_and_another_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", "tiny", "--prompt", "hi", "--choice", "yes,no", "--backend", "llguidance"]
+    assert main([*argv, "--logprobs", "5", "--logprobs-mode", "processed_logits"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[processed_logits: position token value | alternatives]"
+    first = [part.rsplit(" ", 1)[0] for part in lines[1].split(" | ")[1].split(", ")]
+    # only what the grammar allows is listed: the tokens "yes" or "no" can start with
+    assert first and all(
+        any(word.startswith(ast.literal_eval(token)) for word in ("yes", "no")) for token in first
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--logprobs-mode", "raw_logits"], "--logprobs-mode needs --logprobs"),
+        (["--logprobs", "21"], "--logprobs takes 0 to 20 alternatives, got 21"),
+        (["--logprobs", "-1"], "--logprobs takes 0 to 20 alternatives, got -1"),
+    ],
+)
+def test_logprobs_usage_errors(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", *extra]) == 2
+    assert capsys.readouterr().err == f"structgen generate: {message}\n"
