@@ -11,7 +11,8 @@ The key holds the GGUF's content digest, the layers' names and shapes, the model
 can run, torch's version and the source of the code that builds the weights, so an edit there (a new tile
 layout) builds again rather than reading stale tiles. A file that cannot be read is built again and rewritten;
 a cache directory that cannot be written leaves the weights built each time. `STRUCTGEN_PACKED_CACHE=0`
-switches the cache off. The few most recently used files per GGUF are kept.
+switches the cache off. The few most recently used files per GGUF are kept, and what a writer killed mid-write
+left is removed an hour later.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "STRUCTGEN_PACKED_CACHE"
 # Files kept per GGUF (one per dtype and CPU kind that loaded it; the test suite loads SmolLM2 in two dtypes).
 KEEP_PER_GGUF = 4
+# A temporary file older than this was left by a writer that died (a write takes about a second).
+ABANDONED_S = 3600.0
 # Bumped by hand when the file's layout changes (the builders' source is in the key already).
 FORMAT = "1"
 # The modules whose code decides what the built weights are.
@@ -186,7 +190,13 @@ def _write(path: Path, values: Mapping[str, Int4Values], packed: Mapping[str, Wo
 
 
 def _prune(written: Path) -> None:
-    """Keep the `KEEP_PER_GGUF` most recently used files of this GGUF (keys of older code, other dtypes)."""
+    """Keep the `KEEP_PER_GGUF` most recently used files of this GGUF (keys of older code, other dtypes), and
+    remove what a writer killed mid-write left (a temporary file untouched for `ABANDONED_S`)."""
+    now = time.time()
+    for temporary in written.parent.glob(".writing-*.safetensors"):
+        with contextlib.suppress(OSError):  # another process's, renamed or removed meanwhile
+            if now - temporary.stat().st_mtime > ABANDONED_S:
+                temporary.unlink()
     stem = written.name.rsplit("-", 1)[0]
     entries = []
     for entry in written.parent.glob(f"{stem}-*.safetensors"):

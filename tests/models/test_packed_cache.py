@@ -165,7 +165,7 @@ def test_an_unwritable_cache_or_the_switch_off_builds_each_time(
         torch.testing.assert_close(outputs(attached(gguf), 1)[name], y, rtol=0, atol=0, msg=name)
 
 
-def test_only_the_most_recently_used_files_of_a_gguf_are_kept(cache: Path, gguf: tuple[Path, Path]) -> None:
+def test_only_the_most_recently_used_files_of_a_gguf_and_no_abandoned_writes_are_kept(cache: Path, gguf: tuple[Path, Path]) -> None:
     cache.mkdir(parents=True)
     stale = [cache / f"llama-{i:016x}.safetensors" for i in range(packed_cache.KEEP_PER_GGUF)]
     for age, path in enumerate(stale):
@@ -174,7 +174,12 @@ def test_only_the_most_recently_used_files_of_a_gguf_are_kept(cache: Path, gguf:
     unrelated = cache / "llama-v2-0000000000000000.safetensors"  # another GGUF whose name starts the same
     unrelated.write_bytes(b"other")
     os.utime(unrelated, (1, 1))
+    abandoned, writing = cache / ".writing-dead.safetensors", cache / ".writing-live.safetensors"
+    abandoned.write_bytes(b"half")  # a writer killed mid-write, long ago
+    os.utime(abandoned, (1, 1))
+    writing.write_bytes(b"half")  # another process writing now
     attached(gguf)
     left = {p.name for p in cache.iterdir()}
     assert stale[0].name not in left and unrelated.name in left
+    assert abandoned.name not in left and writing.name in left
     assert len([n for n in left if n.rsplit("-", 1)[0] == "llama"]) == packed_cache.KEEP_PER_GGUF
