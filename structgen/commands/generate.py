@@ -180,8 +180,10 @@ def _print_logprobs(logprobs: list[Any], tokenizer: Any, *, mode: str) -> None:
     """One stderr line per generated token: its position, text, value and the alternatives asked for. A token the
     grammar forced (jump-forward) reads 0.0 with no alternatives: it was the only one possible."""
 
+    from structgen.server.logprobs_body import token_text
+
     def text(token_id: int) -> str:
-        return repr(tokenizer.token_bytes(token_id).decode("utf-8", errors="replace"))
+        return repr(token_text(tokenizer, token_id))
 
     print(f"[{mode}: position token value | alternatives]", file=sys.stderr)
     for i, entry in enumerate(logprobs):

@@ -190,7 +190,7 @@ def attach_int4(model: nn.Module, *, quantization: str, gguf_path: Path | None) 
     if fp32:
         return _attach_fp32_gemv(layers, packed_woq, int8_prompts=quantization == "w4a8")
     dense = {name: module.kernel for name, module in layers}
-    with_gemv = set(packed_woq) if cpu_woq.gemv_available() else set()
+    with_gemv = _gemv_layers(packed_woq)
     # torch's int4 copy only where the GEMV does not take the single streams (one 4-bit copy in memory, not two)
     if gguf_path is not None:
         attached = set(int4.attach_int4_kernels(model, values, skip=with_gemv))
@@ -251,17 +251,27 @@ def _four_bit_weights(
     return values, woq.build_woq_kernels(model, values, {}, by_module=True)
 
 
+def _gemv_layers(packed_woq: dict[str, WoqWeight]) -> set[str]:
+    """The layers a bf16 model gives the VNNI GEMV (all with packed weights, where the CPU runs it): torch's int4
+    copy goes only to the others, and only their int4 values are cached (`_int4_values_used`)."""
+    from structgen.kernels import cpu_woq
+
+    return set(packed_woq) if cpu_woq.gemv_available() else set()
+
+
 def _int4_values_used(
-    model: nn.Module, layers: list[tuple[str, nn.Module]], values: dict[str, Any], packed: dict[str, WoqWeight]
+    model: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    values: dict[str, Any],
+    packed: dict[str, WoqWeight],
 ) -> set[str]:
     """The int4 values (by HF name) that `attach_int4` hands torch's int4 kernel: a bf16 model's layers the VNNI
     GEMV does not take (none for fp32, whose layers take the AVX2 GEMV alone)."""
-    from structgen.kernels import cpu_woq
     from structgen.models.int4 import layer_sources
 
     if next(model.parameters()).dtype == torch.float32:
         return set()
-    with_gemv = set(packed) if cpu_woq.gemv_available() else set()
+    with_gemv = _gemv_layers(packed)
     return {
         source
         for name, module in layers

@@ -63,8 +63,11 @@ def four_bit_weights(
     cache hit returns only those."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return build()
-    path = _entry_path(gguf_path, model)
-    cached = _read(path, model)
+    from structgen.models.linear import kernel_layers
+
+    shapes = {name: tuple(module.weight.shape) for name, module in kernel_layers(model)}
+    path = _entry_path(gguf_path, model, shapes)
+    cached = _read(path, shapes)
     if cached is not None:
         return cached
     values, packed = build()
@@ -82,23 +85,14 @@ def cache_files() -> list[Path]:
     return sorted(root.glob("*.safetensors")) if root.is_dir() else []
 
 
-def _entry_path(gguf_path: Path, model: nn.Module) -> Path:
+def _entry_path(gguf_path: Path, model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Path:
     from structgen.kernels import cpu_woq
-    from structgen.models.linear import kernel_layers
-    from structgen.models.registry import _file_digest, cache_dir
+    from structgen.models.registry import cache_dir, file_digest
 
-    weight = next(model.parameters())
-    layers = [(name, tuple(module.weight.shape)) for name, module in kernel_layers(model)]
     kernels = (cpu_woq.amx_available(), cpu_woq.gemv_available(), cpu_woq.avx2_gemv_available())
-    parts = [
-        FORMAT,
-        _file_digest(gguf_path),
-        repr(layers),
-        str(weight.dtype),
-        repr(kernels),
-        torch.__version__,
-    ]
-    parts.append(_builders_digest())
+    dtype = next(model.parameters()).dtype
+    parts = [FORMAT, file_digest(gguf_path), repr(sorted(shapes.items())), str(dtype), repr(kernels)]
+    parts += [torch.__version__, _builders_digest()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / "packed" / f"{gguf_path.stem}-{key}.safetensors"
 
@@ -112,14 +106,13 @@ def _builders_digest() -> str:
     return digest.hexdigest()
 
 
-def _read(path: Path, model: nn.Module) -> FourBitWeights | None:
+def _read(path: Path, shapes: dict[str, tuple[int, ...]]) -> FourBitWeights | None:
     if not path.is_file():
         return None
     from safetensors import safe_open
 
     from structgen.kernels.cpu_woq import WoqWeight
     from structgen.models.int4 import Int4Values
-    from structgen.models.linear import kernel_layers
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -134,8 +127,7 @@ def _read(path: Path, model: nn.Module) -> FourBitWeights | None:
                 )
                 for name, group in layout["values"].items()
             }
-        shapes = {name: tuple(module.weight.shape) for name, module in kernel_layers(model)}
-        for name, weight in packed.items():
+        for name, weight in packed.items():  # the key holds the shapes: only a damaged file fails here
             if shapes.get(name) != (weight.out_features, weight.in_features):
                 raise ValueError(
                     f"{name}: [{weight.out_features}, {weight.in_features}] against {shapes.get(name)}"

@@ -95,7 +95,7 @@ def _smollm2_dir() -> Path:
     from structgen.models.gguf import GGUF_CONVERTER_VERSION, convert_gguf_to_hf
 
     gguf_path = smollm2_gguf_path()
-    key = _short_hash(_file_digest(gguf_path), f"converter-{GGUF_CONVERTER_VERSION}")
+    key = _short_hash(file_digest(gguf_path), f"converter-{GGUF_CONVERTER_VERSION}")
     return _build_once(f"{DEFAULT_MODEL}-{key}", lambda out: convert_gguf_to_hf(gguf_path, out))
 
 
@@ -186,7 +186,7 @@ def _cached_digest(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     """sha256 of a file's content, computed once per process per (path, size, mtime)."""
     stat = path.stat()
     return _cached_digest(str(path), stat.st_size, stat.st_mtime_ns)
