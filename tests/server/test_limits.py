@@ -145,9 +145,12 @@ def test_metrics_follow_the_key_and_count_what_happened(app: Any, engine: AsyncE
 def test_429_when_the_waiting_queue_is_full() -> None:
     one_seq = tiny_engine(max_num_seqs=1)
     step = one_seq.engine.step
+    released = threading.Event()
 
-    def slow_step() -> Any:  # >= 5 ms a step: the long request holds its slot for 10 s, however fast tiny is
-        time.sleep(0.005)
+    def slow_step() -> Any:
+        # 50 ms a step until the 429 is checked: the long request holds its slot for 100 s, however fast tiny is
+        # and however long a loaded machine takes to queue the waiter (5 ms a step once let it finish first).
+        released.wait(0.05)
         return step()
 
     one_seq.engine.step = slow_step  # type: ignore[method-assign]
@@ -177,11 +180,13 @@ def test_429_when_the_waiting_queue_is_full() -> None:
                 refused = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
                 assert_error(refused, 429, "busy")
                 assert refused.headers["retry-after"] == "1"
+                released.set()
             waiter.join(30)  # the running stream was dropped: the waiting request gets the slot and finishes
             assert not waiter.is_alive()
             assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
         wait_idle(one_seq)
     finally:
+        released.set()
         one_seq.shutdown()
 
 
