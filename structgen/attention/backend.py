@@ -89,13 +89,19 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     huge_pages: bool = True,
+    commit: bool = True,
 ) -> list[KVCache]:
     """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs; on the CPU on 2 MB
-    pages where the OS gives them (see `huge_pages`; `huge_pages=False`: `torch.zeros`' pages, for comparison)."""
+    pages where the OS gives them (see `huge_pages`; `huge_pages=False`: `torch.zeros`' pages, for comparison).
+    `commit=False` (CPU, on 2 MB pages): the memory is committed as the cache first writes to it, not now."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if huge_pages and torch.device(device).type == "cpu":
         return [
-            (zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)) for _ in range(num_layers)
+            (
+                zeros_on_huge_pages(shape, dtype, commit=commit),
+                zeros_on_huge_pages(shape, dtype, commit=commit),
+            )
+            for _ in range(num_layers)
         ]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -23,11 +23,14 @@ logger = logging.getLogger("structgen.attention")
 HUGE_PAGE = 2 << 20
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, *, commit: bool = True) -> torch.Tensor:
     """A contiguous zero-filled CPU tensor, on 2 MB pages where the OS gives them (else as `torch.zeros`).
 
-    The memory is written once here, so it is committed at allocation (as with `torch.zeros`): a cache that does
-    not fit fails at start, not in the middle of serving."""
+    `commit`: the memory is written once here, so it is committed at allocation (as with `torch.zeros`): a cache
+    that does not fit fails at start, not in the middle of serving. Committing costs a fault and a 2 MB zeroing
+    a page, ~0.6-2.9 s a GiB on a fresh VM's memory (BENCHMARKS.md, start-up), which a one-shot run that fills a
+    few blocks never repays. `commit=False` leaves the mapping untouched: it reads as zeros, and each page is
+    committed (on 2 MB pages all the same) when the cache first writes to it."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
@@ -41,5 +44,6 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     raw = torch.frombuffer(buffer, dtype=torch.uint8)  # holds the mapping for as long as a view of it lives
     start = -raw.data_ptr() % HUGE_PAGE
     tensor = raw[start : start + nbytes].view(dtype).view(shape)
-    tensor.zero_()  # commits the pages now (fresh anonymous memory reads as zero already)
+    if commit:
+        tensor.zero_()  # commits the pages now (fresh anonymous memory reads as zero already)
     return tensor

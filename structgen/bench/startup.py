@@ -1,6 +1,7 @@
 """How long structgen takes to start, each measure in fresh processes, against the start-up of earlier sessions.
 
-    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf,packed] [--measures ...] [--json OUT]
+    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf,packed,lazy-kv] [--measures ...]
+                            [--json OUT]
 
 Measures (the median of `--repeats` fresh processes, alternating the two sides when `--off` is given):
 - `help`: `structgen --help`, process start to exit;
@@ -9,14 +10,18 @@ Measures (the median of `--repeats` fresh processes, alternating the two sides w
 - `engine`: `LLM(model=M)` in a process that has imported them (the model's files in the page cache: they are
   read once first, after converting a GGUF on the first run of a machine);
 - `serve`: `structgen serve --model M` from process start until `GET /v1/models` answers, and `first`: the
-  first chat completion after that (8 tokens).
+  first chat completion after that (8 tokens);
+- `generate`: `structgen generate --model M --prompt ... --max-tokens 16`, process start to exit (a one-shot
+  command: start-up and one short request).
 
 `--off` runs each measure a second time with parts of session 36's start-up switched off in the child processes,
 for a before/after in the same code: `exports` (`structgen.structured` imports every module it exports, and so
 torch and jsonschema, as soon as anything under it is imported: the CLI's help did), `iri` (rfc3987-syntax's IRI
 parser built at import, as `jsonschema` builds it when nothing defers it) and `gguf` (GGUF headers read by the
 `gguf` package's `GGUFReader`); and session 38's `packed` (the 4-bit kernels' weights built from the GGUF in
-every process, not read from `structgen.models.packed_cache`).
+every process, not read from `structgen.models.packed_cache`); session 39's `lazy-kv` (every CPU KV cache committed
+at start, as `structgen serve`'s is, where `LLM` and the one-shot commands now commit pages as blocks fill:
+`CacheConfig.commit_cpu_kv_at_start`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-OFF_PARTS = ("exports", "iri", "gguf", "packed")
+OFF_PARTS = ("exports", "iri", "gguf", "packed", "lazy-kv")
 
 # Run first in a child with parts switched off: each puts the previous start-up back for that process.
 _OFF_CODE = {
@@ -46,6 +51,13 @@ _OFF_CODE = {
         "_gguf.open_gguf = _reader\n"
     ),
     "packed": "import os as _os\n_os.environ['STRUCTGEN_PACKED_CACHE'] = '0'\n",
+    "lazy-kv": (
+        "import structgen.config as _config\n"
+        "_cache_init = _config.CacheConfig.__init__\n"
+        "def _committed(self, *args, **kwargs):\n"
+        "    _cache_init(self, *args, **{**kwargs, 'commit_cpu_kv_at_start': True})\n"
+        "_config.CacheConfig.__init__ = _committed\n"
+    ),
 }
 
 
@@ -144,7 +156,7 @@ def _serve(model: str, *, off: set[str], timeout: float = 300) -> tuple[float, f
             server.wait()
 
 
-MEASURES = ("help", "import", "engine", "serve")
+MEASURES = ("help", "import", "engine", "serve", "generate")
 
 
 def measure(model: str, *, off: set[str], measures: Sequence[str] = MEASURES) -> dict[str, float]:
@@ -165,6 +177,9 @@ def measure(model: str, *, off: set[str], measures: Sequence[str] = MEASURES) ->
         )
     if "serve" in measures:
         timings["serve"], timings["first"] = _serve(model, off=off)
+    if "generate" in measures:
+        argv = ["generate", "--model", model, "--prompt", "Name three colors.", "--max-tokens", "16"]
+        timings["generate"] = _python(f"from structgen.cli import main\nmain({argv!r})\n", off=off)
     return timings
 
 
@@ -185,7 +200,7 @@ def _warm_up(model: str) -> None:
 
 def run(model: str, *, repeats: int, off: set[str], measures: Sequence[str] = MEASURES) -> dict[str, Any]:
     sides = {"now": set[str](), "off": off} if off else {"now": set[str]()}
-    if {"engine", "serve"} & set(measures):
+    if {"engine", "serve", "generate"} & set(measures):
         _warm_up(model)
     samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(repeats):

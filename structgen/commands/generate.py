@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except (UsageError, ValueError, OSError) as exc:
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
-    from structgen.config import EngineConfig
+    from structgen.config import CacheConfig, EngineConfig
     from structgen.engine.llm_engine import LLMEngine
     from structgen.lora import LoRARequest
     from structgen.structured import StructuredOutputConfig
@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        cache=CacheConfig(commit_cpu_kv_at_start=False),  # one request: a few blocks of a GiB (`CacheConfig`)
         structured=structured,
         reasoning_parser=args.reasoning_parser,
         lora=lora,

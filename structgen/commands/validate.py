@@ -236,7 +236,8 @@ def _runner(args: argparse.Namespace, options: GenerationOptions) -> LocalRunner
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
+        # One run, one batch: its pages are committed as its blocks fill (`CacheConfig`).
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, commit_cpu_kv_at_start=False),
         scheduler=SchedulerConfig(max_num_seqs=args.concurrency * args.samples),
         structured=StructuredOutputConfig(
             backend=args.backend, compile_timeout_s=args.compile_timeout, **structured_switches(args)

@@ -91,7 +91,7 @@ def _serve(runner: object, spec: WorkerSpec, device: torch.device) -> None:
             num_blocks = runner.num_blocks_for(spec.cache, spec.scheduler, max_model_len=header[1])
             agreed = torch.tensor([num_blocks], dtype=torch.long, device=device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            runner.allocate_kv_cache(int(agreed.item()))
+            runner.allocate_kv_cache(int(agreed.item()), commit=spec.cache.commit_cpu_kv_at_start)
             continue
         step = receive_step(header, device=device, block_size=runner.block_size)
         if step.blocks_to_copy:

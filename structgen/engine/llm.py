@@ -36,6 +36,7 @@ class LLM:
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        commit_cpu_kv_at_start: bool = False,
         gpu_memory_utilization: float = 0.9,
         cpu_kv_cache_gib: float = 1.0,
         max_num_seqs: int = 256,
@@ -60,6 +61,9 @@ class LLM:
         `enable_lora`: requests may name a PEFT LoRA adapter (`lora_request=LoRARequest(name, id, path)`);
         `max_loras` of them run in one batch, each of rank <= `max_lora_rank`; `max_cpu_loras` caps how many
         are held at all (`structgen.config.LoRAConfig`).
+        `commit_cpu_kv_at_start`: commit the CPU KV cache's memory before the first request, as `structgen serve`
+        does, instead of as its blocks fill (`structgen.config.CacheConfig`; off here: a script's start is ~1 s
+        shorter a GiB of cache on a fresh VM, for a fault a 2 MB page the first time a block lands on it).
         `logprobs_mode`: what `logprobs` hold, as vLLM's option ("raw_logprobs", "processed_logprobs",
         "raw_logits", "processed_logits"; `structgen.engine.logprobs`)."""
         config = EngineConfig(
@@ -76,6 +80,7 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 cpu_kv_cache_gib=cpu_kv_cache_gib,
                 enable_prefix_caching=enable_prefix_caching,
+                commit_cpu_kv_at_start=commit_cpu_kv_at_start,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

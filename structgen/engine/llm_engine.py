@@ -131,7 +131,7 @@ class LLMEngine:
             num_blocks = self.runner.num_blocks_for(
                 config.cache, sched_config, max_model_len=self.max_model_len
             )
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, commit=config.cache.commit_cpu_kv_at_start)
         salt = f"{self.model_dir or id(model)}:{dtype}"
         self.block_manager = BlockManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt

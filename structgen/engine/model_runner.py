@@ -165,8 +165,9 @@ class ModelRunner:
         )
         return max(budget, 0)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, *, commit: bool = True) -> None:
         self.kv_caches = allocate_kv_cache(
+            commit=commit,  # (CPU: see `CacheConfig.commit_cpu_kv_at_start`)
             num_layers=self.num_layers,
             num_blocks=num_blocks,
             block_size=self.block_size,

@@ -67,3 +67,55 @@ def test_the_cpu_kv_cache_is_allocated_on_huge_pages_and_pairs_do_not_share_memo
     assert all(not t.any() for t in tensors[1:])
     if sys.platform.startswith("linux"):
         assert all(t.data_ptr() % HUGE_PAGE == 0 for t in tensors)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+@linux_only
+def test_an_uncommitted_tensor_takes_memory_only_where_it_is_written() -> None:
+    shape = (1024, 16, 4, 64)  # 16 MB a tensor, 8 tensors: 128 MB
+    before = _resident_bytes()
+    lazy = [zeros_on_huge_pages(shape, torch.float32, commit=False) for _ in range(8)]
+    grown = _resident_bytes() - before
+    assert grown < 32 << 20, f"{grown / 2**20:.0f} MB resident for 128 MB not written"
+    for tensor in lazy:
+        assert tensor.data_ptr() % HUGE_PAGE == 0 and tensor.is_contiguous() and not tensor.any()
+        tensor[100].fill_(1.5)  # one block written: its page comes now
+        assert float(tensor.sum()) == 1.5 * tensor[100].numel()
+    before = _resident_bytes()
+    committed = [zeros_on_huge_pages(shape, torch.float32) for _ in range(8)]
+    assert _resident_bytes() - before >= 120 << 20  # the default commits every page at once
+    assert not any(t.any() for t in committed)
+
+
+def test_an_engine_that_commits_its_cache_as_it_fills_generates_the_same_tokens() -> None:
+    from structgen.config import CacheConfig, EngineConfig
+    from structgen.engine.llm_engine import LLMEngine
+    from structgen.sampling_params import SamplingParams
+
+    tokens = {}
+    for commit in (True, False):
+        config = EngineConfig(
+            model="tiny", device="cpu", cache=CacheConfig(kv_cache_tokens=8192, commit_cpu_kv_at_start=commit)
+        )
+        engine = LLMEngine(config)
+        try:
+            key = engine.runner.kv_caches[0][0]
+            assert (
+                key.numel() * key.element_size() >= HUGE_PAGE
+            )  # on the mapped path (small ones are torch.zeros)
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            for i in range(3):
+                engine.add_request(f"r{i}", f"request {i}: count to ten", params)
+            outputs = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out.outputs[0].token_ids
+            tokens[commit] = outputs
+        finally:
+            engine.shutdown()
+    assert tokens[True] == tokens[False] and len(tokens[False]) == 3

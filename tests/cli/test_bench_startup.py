@@ -17,16 +17,17 @@ from structgen.bench import startup
 from structgen.models.gguf_file import open_gguf
 
 
-def test_a_tiny_run_times_help_and_serve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tiny_run_times_help_serve_and_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "startup.json"
     # import and engine are the same `_python` as help, with a printed timing; serve is the other path.
-    argv = ["--model", "tiny", "--repeats", "1", "--measures", "help,serve", "--json", str(out)]
+    argv = ["--model", "tiny", "--repeats", "1", "--measures", "help,serve,generate", "--json", str(out)]
     assert startup.main(argv) == 0
     result = json.loads(out.read_text())
     medians = result["median_s"]["now"]
-    assert set(medians) == {"help", "serve", "first"}
+    assert set(medians) == {"help", "serve", "first", "generate"}
     assert all(value > 0 for value in medians.values())
     assert medians["serve"] > medians["help"]  # the server loads the engine before it answers
+    assert medians["generate"] > medians["help"]  # and so does a one-shot generate, which also answers
     assert "| serve |" in capsys.readouterr().out
 
 
@@ -38,8 +39,9 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
     code = (
         "import sys\nimport structgen.structured.validate\n"
         "state = ['rfc3987_syntax.syntax_helpers' in sys.modules, 'torch' in sys.modules]\n"
-        "import os\nimport structgen.models.gguf as g\n"
-        "print(*state, g.open_gguf.__module__, os.environ.get('STRUCTGEN_PACKED_CACHE'))\n"
+        "import os\nimport structgen.models.gguf as g\nfrom structgen.config import CacheConfig\n"
+        "print(*state, g.open_gguf.__module__, os.environ.get('STRUCTGEN_PACKED_CACHE'),\n"
+        "      CacheConfig(commit_cpu_kv_at_start=False).commit_cpu_kv_at_start)\n"
     )
 
     def state(off: set[str]) -> str:
@@ -48,7 +50,10 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
         )
         return done.stdout.strip()
 
-    assert state({"exports", "iri", "gguf", "packed"}) == "True True structgen.bench.startup 0"
+    assert (
+        state({"exports", "iri", "gguf", "packed", "lazy-kv"}) == "True True structgen.bench.startup 0 True"
+    )
+    assert state(set()).endswith("None False")
 
 
 def test_the_gguf_package_reader_reads_what_structgen_reads(tmp_path: Path) -> None:

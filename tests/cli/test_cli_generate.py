@@ -144,3 +144,19 @@ def test_logprobs_under_a_grammar_and_another_mode(capsys: pytest.CaptureFixture
 def test_logprobs_usage_errors(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", "tiny", "--prompt", "hi", *extra]) == 2
     assert capsys.readouterr().err == f"structgen generate: {message}\n"
+
+
+def test_a_one_shot_generate_commits_its_kv_cache_as_it_fills(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One request fills a few blocks of the GiB a cache holds: committing it all costs ~1 s of the start.
+    from structgen.engine import llm_engine
+
+    configs = []
+    real = llm_engine.LLMEngine
+
+    def recording(config: object) -> object:
+        configs.append(config)
+        return real(config)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", recording)
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert [c.cache.commit_cpu_kv_at_start for c in configs] == [False]  # type: ignore[attr-defined]

@@ -87,3 +87,12 @@ def test_waiting_for_a_grammar_does_not_spin(llm: LLM, monkeypatch: pytest.Monke
     out = llm.generate("n", SamplingParams(max_tokens=4, structured_outputs=spec))[0]
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert steps < 40  # 0.5 s of compile: a few waits of 50 ms, then the decode steps
+
+
+def test_an_offline_llm_commits_its_cpu_kv_cache_as_it_fills(llm: LLM) -> None:
+    # A script's LLM() should not spend a second committing a GiB it fills a few blocks of (`CacheConfig`);
+    # the server commits at start (its engine config's default).
+    from structgen.config import CacheConfig
+
+    assert llm.engine.config.cache.commit_cpu_kv_at_start is False
+    assert CacheConfig().commit_cpu_kv_at_start is True

@@ -165,7 +165,9 @@ def test_an_unwritable_cache_or_the_switch_off_builds_each_time(
         torch.testing.assert_close(outputs(attached(gguf), 1)[name], y, rtol=0, atol=0, msg=name)
 
 
-def test_only_the_most_recently_used_files_of_a_gguf_and_no_abandoned_writes_are_kept(cache: Path, gguf: tuple[Path, Path]) -> None:
+def test_only_the_most_recently_used_files_of_a_gguf_and_no_abandoned_writes_are_kept(
+    cache: Path, gguf: tuple[Path, Path]
+) -> None:
     cache.mkdir(parents=True)
     stale = [cache / f"llama-{i:016x}.safetensors" for i in range(packed_cache.KEEP_PER_GGUF)]
     for age, path in enumerate(stale):
