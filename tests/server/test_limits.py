@@ -173,7 +173,7 @@ def test_429_when_the_waiting_queue_is_full() -> None:
 
                 waiter = threading.Thread(target=wait_for_the_slot)
                 waiter.start()
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + 30  # (the long request holds its slot for 100 s)
                 while lifecycle.num_queued < 1:
                     assert time.monotonic() < deadline, f"the second request never queued; it got {answered}"
                     time.sleep(0.01)
