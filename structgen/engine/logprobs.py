@@ -24,6 +24,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from structgen.engine.redraw import Draws
     from structgen.engine.sampler import SamplingRow
+    from structgen.sampling_params import SamplingParams
 
 
 def asking_rows(rows: Sequence[SamplingRow]) -> list[int]:
@@ -37,9 +38,9 @@ def processed_logits(
     """The "processed_logits" mode's values. `logits`: rows `asked` of the sampler's logits after the mask,
     penalties and the min_tokens ban, copied before the picks (those may scale the sampler's own in place).
     Returns them as the tokens were drawn from them: the sampled rows divided by their temperature, -inf where
-    the draw's probabilities (`draws`, which holds every sampled row of `asked`) are 0: cut by top-k, top-p or
-    min-p, or too unlikely for float32. The truncation is the draw's own, not computed again (its top-p sort
-    would double the sampler's time). Edits `logits`."""
+    top-k, top-p or min-p cut them (`_cut`: where the draw's probabilities, `draws`, which holds every sampled row
+    of `asked`, are 0, less the tokens only too unlikely for float32). The truncation is the draw's own, not
+    computed again (its top-p sort would double the sampler's time). Edits `logits`."""
     sampled = [j for j, i in enumerate(asked) if not rows[i].params.greedy]
     if not sampled:
         return logits
@@ -49,11 +50,44 @@ def processed_logits(
         [rows[asked[j]].params.temperature for j in sampled], dtype=logits.dtype, device=device
     ).unsqueeze(1)
     probs, _ = _drawn_rows(draws, [asked[j] for j in sampled])
+    params = [rows[asked[j]].params for j in sampled]
     if len(sampled) == logits.shape[0]:
-        return logits.div_(scale).masked_fill_(probs == 0, -math.inf)
+        values = logits.div_(scale)
+        return values.masked_fill_(_cut(values, probs, params), -math.inf)
     at = torch.tensor(sampled, dtype=torch.long, device=device)
-    values = logits.index_select(0, at).div_(scale).masked_fill_(probs == 0, -math.inf)
+    values = logits.index_select(0, at).div_(scale)
+    values.masked_fill_(_cut(values, probs, params), -math.inf)
     return logits.index_copy_(0, at, values)
+
+
+# exp() of a float32 more than ~87 (normal) to ~103 (subnormal) below 0 is 0: a token that far below its row's
+# best has probability 0 in a draw without having been cut. Below this many nats a zero is read as that.
+UNDERFLOW_NATS = 80.0
+
+
+def _cut(values: Tensor, probs: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """[rows, vocab] bool: the tokens the draw's truncation cut. `values`: the rows' logits over their
+    temperature; `probs`: the probabilities they were drawn from, 0 where top-k, top-p or min-p cut a token and
+    where float32 could not hold one. A zero far below the row's best is such an underflow, which vLLM's
+    processed values (log-softmax of the truncated logits) give finite, unless its row truncates by mass
+    (top-p and min-p cut every token of probability 0, on float32 probabilities in vLLM too) or the token is
+    outside the row's top-k."""
+    zero = probs == 0
+    by_mass = [p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+    if all(by_mass):
+        return zero
+    device = values.device
+    underflowed = (values - values.amax(dim=1, keepdim=True)) < -UNDERFLOW_NATS
+    underflowed &= ~torch.tensor(by_mass, device=device).unsqueeze(1)
+    ks = [p.top_k if 0 < p.top_k < values.shape[1] else 0 for p in params]
+    if any(
+        ks
+    ):  # top-k keeps every token at least as likely as its k-th (ties too, as the draw's cutoff does)
+        best = values.topk(max(ks), dim=1).values
+        kth = best.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1))
+        kth[torch.tensor([k == 0 for k in ks], device=device)] = -math.inf
+        underflowed &= values >= kth
+    return zero & ~underflowed
 
 
 def processed_logprobs(
@@ -62,8 +96,10 @@ def processed_logprobs(
     """The "processed_logprobs" mode's `(logprobs, top_logprobs)` (as `sampled_logprobs`). A sampled row's come
     from the probabilities it was drawn from (`draws`): their log over their total, which the draw summed
     already, so this costs less than the raw mode's log-softmax. A greedy row's are the log-softmax of its
-    row of `x`, the logits after the mask, penalties and the min_tokens ban (the picks leave greedy rows
-    of `x` as they were)."""
+    row of `x`, the logits after the mask, penalties and the min_tokens ban (the sampler's picks leave `x` as it
+    was in this mode). A sampled row with fewer possible tokens in its draw than it wants alternatives lists
+    them again from `x` over its temperature: tokens too unlikely for float32 but not cut (`_cut`) get their
+    finite value there, as in vLLM."""
     greedy = [i for i in asked if rows[i].params.greedy]
     sampled = [i for i in asked if not rows[i].params.greedy]
     parts = []
@@ -76,10 +112,36 @@ def processed_logprobs(
         log_total = draws.cdf.block_cum.index_select(0, index)[:, -1:].log()  # float64, [rows, 1]
         picked = probs.gather(1, token_ids[sampled].unsqueeze(1)).double().log_() - log_total
         wanted = [rows[i].params.logprobs or 0 for i in sampled]
-        parts.append(
-            (sampled, picked.squeeze(1).tolist(), best_logprobs(probs, log_total, wanted, of_probs=True))
-        )
+        values, best = picked.squeeze(1).tolist(), best_logprobs(probs, log_total, wanted, of_probs=True)
+        short = [j for j, pairs in enumerate(best) if len(pairs) < wanted[j]]
+        if short:
+            _list_underflowed(x, probs, [sampled[j] for j in short], rows, token_ids, short, values, best)
+        parts.append((sampled, values, best))
     return _outputs(rows, asked, parts)
+
+
+def _list_underflowed(
+    x: Tensor,
+    probs: Tensor,
+    batch_rows: list[int],
+    rows: Sequence[SamplingRow],
+    token_ids: Tensor,
+    at: list[int],
+    values: list[float],
+    best: list[list[tuple[int, float]]],
+) -> None:
+    """`processed_logprobs` for the sampled `batch_rows` (at `at` of `probs`, `values` and `best`, which are
+    rewritten) from their logits in `x`: a row's draw holds fewer possible tokens than it wants listed when
+    the others are cut, or only too unlikely for float32."""
+    params = [rows[i].params for i in batch_rows]
+    device = x.device
+    scale = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+    logits = x.index_select(0, torch.tensor(batch_rows, dtype=torch.long, device=device)).div_(scale)
+    drawn = probs.index_select(0, torch.tensor(at, dtype=torch.long, device=probs.device))
+    logits.masked_fill_(_cut(logits, drawn, params), -math.inf)
+    picked, pairs = _logit_values(logits, batch_rows, rows, token_ids, normalize=True)
+    for j, value, listed in zip(at, picked, pairs, strict=True):
+        values[j], best[j] = value, listed
 
 
 def sampled_logprobs(

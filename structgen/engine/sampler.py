@@ -149,8 +149,10 @@ class Sampler:
         lazy = sorted(lazy + hinted_dense)
         skip = {i for i, _ in hinted_sparse}
         first = [i for i in range(batch) if i not in skip] if skip else range(batch)
-        # With lazy rows, x must stay unscaled for their masked pick.
-        draws = self._pick(x, first, rows, token_ids, ok, owned=x is not raw and not lazy and not skip)
+        # With lazy rows, x must stay unscaled for their masked pick; so must asked rows' in the
+        # processed_logprobs mode, which may list alternatives from it (`processed_logprobs`).
+        keep_x = lazy or skip or (asked and self.logprobs_mode == "processed_logprobs")
+        draws = self._pick(x, first, rows, token_ids, ok, owned=x is not raw and not keep_x)
         dead = self._pick_among_allowed(x, hinted_sparse, rows, token_ids, ok)
         rejected: list[int] = []
         dense: list[int] = []

@@ -109,6 +109,38 @@ def test_the_logits_modes_are_the_values_before_normalizing() -> None:
     assert processed.logprobs[0] == pytest.approx(logits[0, processed.token_ids[0]].item() / 0.5, abs=1e-5)
 
 
+@pytest.mark.parametrize("penalised", [False, True], ids=["plain", "penalised"])
+def test_tokens_too_unlikely_for_float32_keep_their_processed_value(penalised: bool) -> None:
+    """At T=0.1, tokens 15 logits below the best are exp(-150) away: 0 in a float32 draw, yet not cut. As in
+    vLLM (log-softmax of the processed logits) they are listed with their finite value; tokens that top-k or
+    top-p cut are not. A penalised row's logits are a copy the sampler could scale in place: the values must
+    still be those before the picks."""
+    vocab = 12
+    logits = torch.tensor([[10.0, 9.0] + [-5.0 - 0.25 * i for i in range(vocab - 2)]] * 3)
+    cold = {"temperature": 0.1, "logprobs": 5, "presence_penalty": 0.5 if penalised else 0.0}
+    rows = [
+        make_row(SamplingParams(**cold)),
+        make_row(SamplingParams(**cold, top_k=3)),
+        make_row(SamplingParams(**cold, top_p=0.99999)),  # keeps the second token, 4.5e-5 of the mass
+    ]
+    z = logits[0].double() / 0.1
+    for mode in ("processed_logprobs", "processed_logits"):
+        out = Sampler(logprobs_mode=mode)(logits.clone(), rows)
+        assert out.top_logprobs is not None and out.logprobs is not None
+        assert out.token_ids == [0, 0, 0]  # exp(-10) of the second token: the best, all but surely
+        shift = torch.logsumexp(z, 0) if mode == "processed_logprobs" else 0.0
+        top3 = torch.logsumexp(z[:3], 0) if mode == "processed_logprobs" else 0.0
+        expected = [
+            [(t, pytest.approx(float(z[t] - shift), rel=1e-5, abs=1e-4)) for t in range(5)],  # no truncation
+            [(t, pytest.approx(float(z[t] - top3), rel=1e-5, abs=1e-4)) for t in range(3)],  # top-k keeps 3
+            [
+                (t, pytest.approx(float(z[t] - shift), rel=1e-5, abs=1e-4)) for t in range(2)
+            ],  # top-p: mass only
+        ]
+        assert out.top_logprobs == expected, mode
+        assert out.logprobs[0] == pytest.approx(float(z[0] - shift), abs=1e-4)
+
+
 def test_processed_logprobs_see_the_mask() -> None:
     vocab = 64
     logits = random_logits(2, vocab, seed=25)
