@@ -66,6 +66,7 @@ class DraftModelProposer:
         block_size: int,
         max_model_len: int,
         num_valid_tokens: int,
+        commit_kv: bool = True,
     ) -> DraftModelProposer:
         """Load `config.model` (the target's own model object when it names the same checkpoint) with the
         target's dtype and check that it shares the target's vocabulary."""
@@ -94,6 +95,7 @@ class DraftModelProposer:
             block_size=block_size,
             num_blocks=config.max_batch_size * per_seq,
             num_valid_tokens=num_valid_tokens,
+            commit_kv=commit_kv,
         )
 
     def __init__(
@@ -106,6 +108,7 @@ class DraftModelProposer:
         num_blocks: int,
         num_valid_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        commit_kv: bool = True,
     ) -> None:
         draft_vocab = model.config.vocab_size  # type: ignore[attr-defined]
         self.runner = ModelRunner(
@@ -117,7 +120,7 @@ class DraftModelProposer:
             num_valid_tokens=min(num_valid_tokens, draft_vocab),
             enforce_eager=True,
         )
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, commit=commit_kv)  # as the target's (`CacheConfig`)
         self.num_valid_tokens = min(num_valid_tokens, draft_vocab)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._shadows: dict[int, _Shadow] = {}

@@ -28,7 +28,7 @@ def tiny() -> tuple[torch.nn.Module, Any, Path]:
 def make_engine(tiny: tuple[torch.nn.Module, Any, Path]) -> EngineFactory:
     """`make_engine(kv_cache_tokens=..., max_num_batched_tokens=..., ...)`: a fresh engine on the shared model."""
     model, tokenizer, model_dir = tiny
-    cache_fields = {"block_size", "kv_cache_tokens", "enable_prefix_caching"}
+    cache_fields = {"block_size", "kv_cache_tokens", "enable_prefix_caching", "commit_cpu_kv_at_start"}
     sched_fields = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill"}
 
     def factory(**overrides: Any) -> LLMEngine:

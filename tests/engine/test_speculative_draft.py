@@ -96,6 +96,25 @@ def test_sampled_outputs_keep_their_distribution(make_engine: EngineFactory) -> 
     assert statistic < 24.32, (statistic, plain, spec)  # chi-square, 7 degrees of freedom, 0.1%
 
 
+@pytest.mark.parametrize("commit", [True, False])
+def test_the_draft_commits_its_kv_cache_as_the_target_does(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, commit: bool
+) -> None:
+    from structgen.engine.model_runner import ModelRunner
+
+    commits: list[bool] = []
+    allocate = ModelRunner.allocate_kv_cache
+
+    def recording(self: ModelRunner, num_blocks: int, *, commit: bool = True) -> None:
+        commits.append(commit)
+        allocate(self, num_blocks, commit=commit)
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", recording)
+    engine = make_engine(speculative_config=DRAFT, commit_cpu_kv_at_start=commit)
+    assert engine.speculator is not None
+    assert commits == [commit, commit]  # the target's cache, then the draft's
+
+
 def test_a_draft_with_another_vocabulary_is_refused(make_engine: EngineFactory) -> None:
     with pytest.raises(DraftModelError, match="another vocabulary"):
         make_engine(speculative_config={**DRAFT, "model": "tiny-thinking"})
