@@ -80,9 +80,8 @@ def _cut(values: Tensor, probs: Tensor, params: Sequence[SamplingParams]) -> Ten
     underflowed = (values - values.amax(dim=1, keepdim=True)) < -UNDERFLOW_NATS
     underflowed &= ~torch.tensor(by_mass, device=device).unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < values.shape[1] else 0 for p in params]
-    if any(
-        ks
-    ):  # top-k keeps every token at least as likely as its k-th (ties too, as the draw's cutoff does)
+    # Top-k keeps every token at least as likely as its k-th (ties too, as the draw's cutoff does).
+    if any(ks):
         best = values.topk(max(ks), dim=1).values
         kth = best.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1))
         kth[torch.tensor([k == 0 for k in ks], device=device)] = -math.inf
