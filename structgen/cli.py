@@ -120,7 +120,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         # Built on its step thread (one OpenMP team), with the --lora-modules adapters loaded there.
         engine = AsyncEngine.from_config(config, lora_modules=adapters)
-    except (LoRAError, ValueError) as exc:  # an adapter the model cannot serve, a KV cache that does not fit
+    except LoRAError as exc:  # an adapter the model cannot serve: a bad flag, found once the model is loaded
         print(f"structgen serve: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None

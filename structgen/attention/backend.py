@@ -95,7 +95,7 @@ def allocate_kv_cache(
     """One (key, value) cache pair per layer, zero-filled so unwritten slots never hold NaNs; on the CPU on 2 MB
     pages where the OS gives them (see `huge_pages`; `huge_pages=False`: `torch.zeros`' pages, for comparison).
     `commit=False` (CPU, on 2 MB pages): the memory is committed as the cache first writes to it, not now.
-    A CPU cache larger than the memory available raises ValueError (`cpu_cache_memory`)."""
+    A CPU cache larger than the memory available raises `cpu_cache_memory.KVCacheTooLargeError`."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":
         check_fits(2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from structgen.errors import StructgenError
+
 _MEMINFO = Path("/proc/meminfo")
 
 
@@ -33,11 +35,15 @@ def available_bytes() -> int | None:
     return fields["MemAvailable"] + fields.get("SwapFree", 0)
 
 
+class KVCacheTooLargeError(StructgenError, ValueError):
+    """A CPU KV cache larger than the memory available (the commands print it on one line and exit 1)."""
+
+
 def check_fits(nbytes: int) -> None:
-    """Raise ValueError when a CPU KV cache of `nbytes` exceeds the memory available (see the module)."""
+    """Raise KVCacheTooLargeError when a CPU KV cache of `nbytes` exceeds the memory available (see the module)."""
     available = available_bytes()
     if available is not None and nbytes > available:
-        raise ValueError(
+        raise KVCacheTooLargeError(
             f"the KV cache needs {nbytes / 2**30:.2f} GiB of memory and this machine has "
             f"{available / 2**30:.2f} GiB available; lower kv_cache_tokens (--kv-cache-tokens) or cpu_kv_cache_gib"
         )

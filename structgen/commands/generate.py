@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     lora_request = LoRARequest("adapter", 1, args.lora_path) if args.lora_path else None
     try:
         engine = LLMEngine(config)
-    except (ReasoningParserError, ValueError) as exc:  # no <think> / </think> tokens; a KV cache too large
+    except ReasoningParserError as exc:  # the model has no <think> / </think> tokens
         print(f"structgen generate: {exc}", file=sys.stderr)
         return 2
     if params.structured_outputs is not None:

@@ -1,5 +1,5 @@
 """A CPU KV cache larger than the memory available is refused at start with its size, through `LLM`, `structgen
-generate` and `structgen serve` alike, instead of an OOM kill (at start, or later as its blocks fill)."""
+generate` and `structgen serve` alike (one line, exit 1), instead of an OOM kill (at start, or later as its blocks fill)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,14 @@ def test_a_cache_larger_than_the_memory_available_is_refused(little_memory: None
     shape = {"block_size": 16, "num_kv_heads": 4, "head_dim": 64, "dtype": torch.float32, "device": "cpu"}
     caches = allocate_kv_cache(num_layers=2, num_blocks=64, **shape)  # 2 x 2 x 1 MiB: fits
     assert len(caches) == 2
-    with pytest.raises(ValueError, match=r"needs 0\.03 GiB .* 0\.01 GiB available; lower kv_cache_tokens"):
+    with pytest.raises(
+        cpu_cache_memory.KVCacheTooLargeError,
+        match=r"needs 0\.03 GiB .* 0\.01 GiB available; lower kv_cache_tokens",
+    ):
         allocate_kv_cache(num_layers=2, num_blocks=512, **shape)  # 2 x 2 x 8 MiB
 
 
-def test_the_llm_and_the_commands_say_so_and_exit(
+def test_the_llm_and_the_commands_say_so_in_one_line_and_exit_1(
     little_memory: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from structgen import LLM
@@ -57,6 +60,6 @@ def test_the_llm_and_the_commands_say_so_and_exit(
         ["generate", "--model", "tiny", "--prompt", "hi"],
         ["serve", "--model", "tiny", "--port", "0", "--kv-cache-tokens", "65536"],
     ):
-        assert main(argv) == 2
+        assert main(argv) == 1  # as the commands' other refusals at start (structgen.errors.StructgenError)
         err = capsys.readouterr().err
         assert f"structgen {argv[0]}: the KV cache needs" in err and "Traceback" not in err, err
