@@ -45,5 +45,5 @@ def check_fits(nbytes: int) -> None:
     if available is not None and nbytes > available:
         raise KVCacheTooLargeError(
             f"the KV cache needs {nbytes / 2**30:.2f} GiB of memory and this machine has "
-            f"{available / 2**30:.2f} GiB available; lower kv_cache_tokens (--kv-cache-tokens) or cpu_kv_cache_gib"
+            f"{available / 2**30:.2f} GiB available; lower kv_cache_tokens (--kv-cache-tokens) or cpu_kv_cache_gib (--cpu-kv-cache-gib)"
         )

@@ -50,6 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in tokens (default: sized from memory)",
     )
     parser.add_argument(
+        "--cpu-kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="CPU KV cache size in GiB when --kv-cache-tokens is not given, capped at what --max-num-seqs "
+        "sequences of full context can use (vLLM's VLLM_CPU_KVCACHE_SPACE); default 1",
+    )
+    parser.add_argument(
         "--structured-backend",
         default="auto",
         choices=["auto", "llguidance", "xgrammar", "outlines"],
@@ -136,7 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, cpu_kv_cache_gib=args.cpu_kv_cache_gib),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
         structured=StructuredOutputConfig(
             backend=args.structured_backend,

@@ -18,3 +18,14 @@ def test_logprobs_mode_reaches_the_engine_config(capsys: pytest.CaptureFixture[s
         parser.parse_args(["serve", "--logprobs-mode", "logits"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'logits'" in capsys.readouterr().err
+
+
+def test_the_cpu_kv_cache_size_reaches_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from structgen.cli import main
+
+    parser = _build_parser()
+    assert engine_config(parser.parse_args(["serve"])).cache.cpu_kv_cache_gib == 1.0
+    config = engine_config(parser.parse_args(["serve", "--cpu-kv-cache-gib", "0.25"]))
+    assert config.cache.cpu_kv_cache_gib == 0.25 and config.cache.kv_cache_tokens is None
+    assert main(["serve", "--model", "tiny", "--cpu-kv-cache-gib", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "structgen serve: cpu_kv_cache_gib must be > 0, got 0.0"
