@@ -7,6 +7,7 @@ The torch backend (CPU, and the reference for kernels) and the Triton backend (G
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -97,9 +98,10 @@ def allocate_kv_cache(
     `commit=False` (CPU, on 2 MB pages): the memory is committed as the cache first writes to it, not now.
     A CPU cache larger than the memory available raises `cpu_cache_memory.KVCacheTooLargeError`."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if torch.device(device).type == "cpu":
-        check_fits(2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize)
-    if huge_pages and torch.device(device).type == "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
+        check_fits(2 * num_layers * math.prod(shape) * dtype.itemsize)
+    if huge_pages and on_cpu:
         return [
             (
                 zeros_on_huge_pages(shape, dtype, commit=commit),

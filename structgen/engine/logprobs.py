@@ -114,14 +114,14 @@ def processed_logprobs(
         values, best = picked.squeeze(1).tolist(), best_logprobs(probs, log_total, wanted, of_probs=True)
         short = [j for j, pairs in enumerate(best) if len(pairs) < wanted[j]]
         if short:
-            _list_underflowed(x, probs, [sampled[j] for j in short], rows, token_ids, short, values, best)
+            _list_underflowed(x, draws, [sampled[j] for j in short], rows, token_ids, short, values, best)
         parts.append((sampled, values, best))
     return _outputs(rows, asked, parts)
 
 
 def _list_underflowed(
     x: Tensor,
-    probs: Tensor,
+    draws: Draws,
     batch_rows: list[int],
     rows: Sequence[SamplingRow],
     token_ids: Tensor,
@@ -129,16 +129,12 @@ def _list_underflowed(
     values: list[float],
     best: list[list[tuple[int, float]]],
 ) -> None:
-    """`processed_logprobs` for the sampled `batch_rows` (at `at` of `probs`, `values` and `best`, which are
-    rewritten) from their logits in `x`: a row's draw holds fewer possible tokens than it wants listed when
-    the others are cut, or only too unlikely for float32."""
-    params = [rows[i].params for i in batch_rows]
-    device = x.device
-    scale = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device).unsqueeze(1)
-    logits = x.index_select(0, torch.tensor(batch_rows, dtype=torch.long, device=device)).div_(scale)
-    drawn = probs.index_select(0, torch.tensor(at, dtype=torch.long, device=probs.device))
-    logits.masked_fill_(_cut(logits, drawn, params), -math.inf)
-    picked, pairs = _logit_values(logits, batch_rows, rows, token_ids, normalize=True)
+    """`processed_logprobs` for the sampled `batch_rows` (at `at` of `values` and `best`, which are rewritten)
+    from their logits in `x`, processed as the "processed_logits" mode's: a row's draw holds fewer possible
+    tokens than it wants listed when the others are cut, or only too unlikely for float32."""
+    logits = x.index_select(0, torch.tensor(batch_rows, dtype=torch.long, device=x.device))
+    processed = processed_logits(logits, rows, batch_rows, draws)
+    picked, pairs = _logit_values(processed, batch_rows, rows, token_ids, normalize=True)
     for j, value, listed in zip(at, picked, pairs, strict=True):
         values[j], best[j] = value, listed
 
