@@ -115,6 +115,7 @@ class OutputProcessor:
         try:
             # EOS ends the sequence (the mask allowed it only where the grammar can end): not fed to it.
             if token_id in self.eos_token_ids:
+                structured.untake_checked()  # (the sampler's check takes no EOS it knows; this one it did not)
                 return self._append_text(seq, token_id, incremental=incremental)
             step = structured.advance(token_id, left=self.tokens_left(seq), jump_forward=self.jump_forward)
         except StructuredOutputError as error:

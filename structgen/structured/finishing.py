@@ -155,14 +155,20 @@ class Finisher:
         """Tokens the grammar accepted (sampled or forced), in order."""
         self.scanner.feed(self.tokens.text(token_ids))
 
-    def advance(self, grammar: Grammar, token_id: int, *, left: int | None, jump_forward: bool) -> Advance:
+    def advance(
+        self, grammar: Grammar, token_id: int, *, left: int | None, jump_forward: bool, taken: bool = False
+    ) -> Advance:
         """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
-        take after it (None: no limit to close against). Accepts what it returns into the grammar."""
+        take after it (None: no limit to close against); `taken`: the grammar has accepted it already (the
+        sampler's check took it). Accepts what it returns into the grammar."""
         closer = self.closer if left is not None else None
         before = self.scanner.copy() if closer is not None else None  # the state to fall back to
         start = self.scanner.offset
         appended = [token_id]
-        self._accept(grammar, appended)
+        if taken:
+            self.entered(appended)
+        else:
+            self._accept(grammar, appended)
         if jump_forward:
             appended += self._forced(grammar)
         if self.guard is not None:

@@ -72,6 +72,7 @@ class StructuredLogitsProcessor:
         # it: CPU, one rank): rows whose mask allows at most this many tokens; 0 leaves every row whole.
         self.narrow_limit = 0
         self._narrowed: dict[int, torch.Tensor] = {}  # this step's rows computed narrow: their allowed ids
+        self._eos = frozenset(manager.tokenizer.eos_token_ids)
 
     def prepare(self, seqs: Sequence[Any]) -> None:
         self._settle()
@@ -225,12 +226,22 @@ class StructuredLogitsProcessor:
         return failures, dict(zip(rows, listed, strict=True))
 
     def _token_check(self, seq: Any, grammar: Grammar, extra: int | None = None) -> Callable[[int], bool]:
+        """A deferred row's check of one pick. An allowed pick other than EOS (which the grammar is never fed) is
+        taken by the grammar at once (`StructuredRequest.take_checked`): one call to the grammar where a check
+        and then an accept took two, each reading its state from memory the forward has just evicted."""
         validate = grammar.validate_tokens
+        request = getattr(seq, "structured", None)
+        take = (
+            getattr(request, "take_checked", None) if getattr(request, "grammar", None) is grammar else None
+        )
+        eos = self._eos
 
         def check(token: int) -> bool:
             if token == extra:
                 return True
             try:
+                if take is not None and token not in eos:
+                    return take(token)
                 return validate((token,)) == 1
             except Exception as error:  # a grammar bug: its request fails after this step, the batch goes on
                 self._failures.append((seq, error))
@@ -240,7 +251,12 @@ class StructuredLogitsProcessor:
 
     def _fill_now(self, seqs: list[Any], grammars: dict[int, Grammar], rows: list[int]) -> None:
         """Fill deferred rows the sampler needs whole. A row whose grammar raises allows everything for this
-        step; its request fails after the step, like a failed fill ahead."""
+        step; its request fails after the step, like a failed fill ahead. A row whose check took a pick puts it
+        back first (the sampler is drawing the row again: its batch is retried without a dead row)."""
+        for row in rows:
+            request = getattr(seqs[row], "structured", None)
+            if request is not None and request.checked_token is not None:
+                request.untake_checked()
         for row, error in self.manager.fill_bitmask([(grammars[row], row) for row in rows], self._bitmask):
             self._bitmask[row].fill_(-1)
             self._failures.append((seqs[row], error))

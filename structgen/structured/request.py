@@ -49,6 +49,9 @@ class StructuredRequest:
         self.validation: ValidationResult | None = None
         self.finisher = _finisher(manager, params, self.spec)
         self.pick_hints = PickHints.private()  # the compile's shared one replaces it in `start`
+        # A sampled token the grammar took already this step, when the sampler's check of the pick took it
+        # (`take_checked`); `advance` then does not feed it again.
+        self.checked_token: int | None = None
 
     @property
     def position(self) -> int | None:
@@ -134,6 +137,26 @@ class StructuredRequest:
             child.pick_hints = self.pick_hints.copy()
         return child
 
+    def take_checked(self, token_id: int) -> bool:
+        """Check a sampled pick against the grammar and, where allowed, take it at once (`checked_token`), so the
+        pick's `advance` does not call the grammar again. Its first call in a step reads the grammar's state
+        from memory (~6-10 µs after the model's forward has gone through the caches, against ~1 µs hot): one
+        call, not a check then an accept, saves one of those a row. The caller guarantees the pick is appended
+        or `untake_checked` is called before anything else reads the grammar (a mask fill)."""
+        grammar = self.start()
+        self.untake_checked()
+        if not grammar.accept_tokens((token_id,)):
+            return False
+        self.checked_token = token_id
+        return True
+
+    def untake_checked(self) -> None:
+        """Put back a pick taken by `take_checked` that will not be appended (its row is filled and drawn again)."""
+        if self.checked_token is not None:
+            self.checked_token = None
+            assert self.grammar is not None
+            self.grammar.rollback(1)
+
     def accept(self, token_ids: Sequence[int]) -> None:
         grammar = self.start()
         if not grammar.accept_tokens(token_ids):
@@ -148,11 +171,16 @@ class StructuredRequest:
         """Accept a sampled (non-EOS) token and say what follows it: forced tokens, the end of a looping value,
         or, near the budget, the closing completion in its place (`finishing.Finisher`). `left`: the tokens
         the sequence may still take after this one (None: unlimited)."""
+        taken = self.checked_token == token_id
+        if not taken:
+            self.untake_checked()  # (another token is appended: the check's is put back first)
+        self.checked_token = None
         if self.finisher is None:
-            self.accept([token_id])
+            if not taken:
+                self.accept([token_id])
             return Advance(True, self.jump_forward() if jump_forward else [])
         grammar = self.start()
-        step = self.finisher.advance(grammar, token_id, left=left, jump_forward=jump_forward)
+        step = self.finisher.advance(grammar, token_id, left=left, jump_forward=jump_forward, taken=taken)
         self.num_forced_tokens += len(step.tokens)
         return step
 
@@ -204,6 +232,7 @@ class StructuredRequest:
         if self.grammar is None:
             raise StructuredOutputError("restart before start")
         self.retries += 1
+        self.checked_token = None
         self.grammar.reset()
         self.validation = None
         if self.finisher is not None:

@@ -96,13 +96,13 @@ def _inject(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
         monkeypatch.setattr(cls, name, patched)
 
     own = lambda self, *_: id(self) in victims  # noqa: E731
-    if fault in ("accept", "jump_forward", "token_check"):
-        method = {
-            "accept": "accept_tokens",
-            "jump_forward": "find_jump_forward",
-            "token_check": "validate_tokens",
-        }
+    if fault in ("accept", "jump_forward"):
+        method = {"accept": "accept_tokens", "jump_forward": "find_jump_forward"}
         wrap(LLGuidanceGrammar, method[fault], own)
+    elif fault == "token_check":
+        # The sampler's check of a lazy pick (which takes an allowed one at once), and of EOS.
+        wrap(StructuredRequest, "take_checked", lambda self, *_: id(self.grammar) in victims)
+        wrap(LLGuidanceGrammar, "validate_tokens", own)
     elif fault == "fill_bitmask":
         # The batched native call fails as a whole; the row-by-row retry finds the victim.
         wrap(LLGuidanceGrammar, "fill_bitmask", own)
