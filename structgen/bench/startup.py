@@ -1,6 +1,7 @@
 """How long structgen takes to start, each measure in fresh processes, against the start-up of earlier sessions.
 
-    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf,packed,lazy-kv] [--measures ...]
+    structgen bench startup [--model M] [--repeats 5] [--off exports,iri,gguf,packed,lazy-kv,lazy-pack]
+                            [--measures ...]
                             [--json OUT]
 
 Measures (the median of `--repeats` fresh processes, alternating the two sides when `--off` is given):
@@ -21,7 +22,9 @@ parser built at import, as `jsonschema` builds it when nothing defers it) and `g
 `gguf` package's `GGUFReader`); and session 38's `packed` (the 4-bit kernels' weights built from the GGUF in
 every process, not read from `structgen.models.packed_cache`); session 39's `lazy-kv` (every CPU KV cache committed
 at start, as `structgen serve`'s is, where `LLM` and the one-shot commands now commit pages as blocks fill:
-`CacheConfig.commit_cpu_kv_at_start`).
+`CacheConfig.commit_cpu_kv_at_start`); session 40's `lazy-pack` (every CPU linear layer's weight reordered for
+oneDNN at start, as `structgen serve`'s are, where `LLM` and the one-shot commands now reorder each at its first
+product: `EngineConfig.pack_cpu_weights_at_start`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-OFF_PARTS = ("exports", "iri", "gguf", "packed", "lazy-kv")
+OFF_PARTS = ("exports", "iri", "gguf", "packed", "lazy-kv", "lazy-pack")
 
 # Run first in a child with parts switched off: each puts the previous start-up back for that process.
 _OFF_CODE = {
@@ -57,6 +60,13 @@ _OFF_CODE = {
         "def _committed(self, *args, **kwargs):\n"
         "    _cache_init(self, *args, **{**kwargs, 'commit_cpu_kv_at_start': True})\n"
         "_config.CacheConfig.__init__ = _committed\n"
+    ),
+    "lazy-pack": (
+        "import structgen.config as _config\n"
+        "_engine_init = _config.EngineConfig.__init__\n"
+        "def _packed(self, *args, **kwargs):\n"
+        "    _engine_init(self, *args, **{**kwargs, 'pack_cpu_weights_at_start': True})\n"
+        "_config.EngineConfig.__init__ = _packed\n"
     ),
 }
 

@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        pack_cpu_weights_at_start=False,  # packed at the first batch the GEMV does not take, if any
         cache=CacheConfig(commit_cpu_kv_at_start=False),  # one request: a few blocks of a GiB (`CacheConfig`)
         structured=structured,
         reasoning_parser=args.reasoning_parser,

@@ -236,7 +236,9 @@ def _runner(args: argparse.Namespace, options: GenerationOptions) -> LocalRunner
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        # One run, one batch: its pages are committed as its blocks fill (`CacheConfig`).
+        # One run, one batch: its pages are committed as its blocks fill (`CacheConfig`), and its weights packed
+        # at the first batch the GEMV does not take (`EngineConfig`).
+        pack_cpu_weights_at_start=False,
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, commit_cpu_kv_at_start=False),
         scheduler=SchedulerConfig(max_num_seqs=args.concurrency * args.samples),
         structured=StructuredOutputConfig(

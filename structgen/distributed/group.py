@@ -99,6 +99,7 @@ class TensorParallelGroup:
             block_size=config.cache.block_size,
             cache=config.cache,
             scheduler=config.scheduler,
+            pack_cpu_weights_at_start=config.pack_cpu_weights_at_start,
         )
         ctx = mp.get_context("spawn")
         workers: list[_Worker] = []

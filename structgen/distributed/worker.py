@@ -40,6 +40,7 @@ class WorkerSpec:
     block_size: int
     cache: CacheConfig
     scheduler: SchedulerConfig
+    pack_cpu_weights_at_start: bool = True
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -53,7 +54,12 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from structgen.models.loader import load_model
 
         model = load_model(
-            spec.model_dir, dtype=spec.dtype, device=device, tp_rank=rank, tp_size=spec.tp_size
+            spec.model_dir,
+            dtype=spec.dtype,
+            device=device,
+            tp_rank=rank,
+            tp_size=spec.tp_size,
+            pack_cpu_weights_at_start=spec.pack_cpu_weights_at_start,
         )
         runner = ModelRunner(
             model,

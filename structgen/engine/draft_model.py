@@ -67,9 +67,11 @@ class DraftModelProposer:
         max_model_len: int,
         num_valid_tokens: int,
         commit_kv: bool = True,
+        pack_weights: bool = True,
     ) -> DraftModelProposer:
         """Load `config.model` (the target's own model object when it names the same checkpoint) with the
-        target's dtype and check that it shares the target's vocabulary."""
+        target's dtype and check that it shares the target's vocabulary. `commit_kv` and `pack_weights`: as the
+        target's (`CacheConfig.commit_cpu_kv_at_start`, `EngineConfig.pack_cpu_weights_at_start`)."""
         from structgen.engine.model_loading import load_draft_model
         from structgen.models.registry import resolve_model
 
@@ -83,7 +85,11 @@ class DraftModelProposer:
             model, tokenizer = target, target_tokenizer  # the target drafts for itself: no second copy
         else:
             model, tokenizer, _ = load_draft_model(
-                config.model, dtype=dtype, device=device, quantization=config.quantization
+                config.model,
+                dtype=dtype,
+                device=device,
+                quantization=config.quantization,
+                pack_weights=pack_weights,
             )
         _check_vocabulary(tokenizer, target_tokenizer, draft_name=config.model)
         # Room for `max_batch_size` sequences at full length, plus the proposals of a step.

@@ -37,6 +37,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         commit_cpu_kv_at_start: bool = False,
+        pack_cpu_weights_at_start: bool = False,
         gpu_memory_utilization: float = 0.9,
         cpu_kv_cache_gib: float = 1.0,
         max_num_seqs: int = 256,
@@ -64,6 +65,9 @@ class LLM:
         `commit_cpu_kv_at_start`: commit the CPU KV cache's memory before the first request, as `structgen serve`
         does, instead of as its blocks fill (`structgen.config.CacheConfig`; off here: a script's start is ~1 s
         shorter a GiB of cache on a fresh VM, for a fault a 2 MB page the first time a block lands on it).
+        `pack_cpu_weights_at_start`: reorder the CPU linear layers' weights for oneDNN when the engine starts, as
+        `structgen serve` does, instead of at each layer's first product on them (`EngineConfig`; off here:
+        where the AVX2 GEMV takes every batch a script makes, they never are, ~0.5 s for SmolLM2).
         `logprobs_mode`: what `logprobs` hold, as vLLM's option ("raw_logprobs", "processed_logprobs",
         "raw_logits", "processed_logits"; `structgen.engine.logprobs`)."""
         config = EngineConfig(
@@ -74,6 +78,7 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager,
+            pack_cpu_weights_at_start=pack_cpu_weights_at_start,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_tokens=kv_cache_tokens,

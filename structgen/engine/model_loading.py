@@ -36,7 +36,13 @@ def load_engine_model(
 
         tp_group = TensorParallelGroup.start(model_dir, config, device)
         on_workers(tp_group)
-    model = load_model(model_dir, dtype=config.dtype, device=device, tp_size=tp_size)
+    model = load_model(
+        model_dir,
+        dtype=config.dtype,
+        device=device,
+        tp_size=tp_size,
+        pack_cpu_weights_at_start=config.pack_cpu_weights_at_start,
+    )
     if tp_size == 1:
         _attach_cpu_kernels(model, config.model, quantization=config.quantization)
     if tp_group is not None:
@@ -64,7 +70,12 @@ def _tokenizer_of(model_dir: str, signature: tuple[tuple[str, int, int], ...]) -
 
 
 def load_draft_model(
-    name_or_path: str, *, dtype: str | torch.dtype, device: torch.device, quantization: str
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    quantization: str,
+    pack_weights: bool = True,
 ) -> tuple[nn.Module, Tokenizer, Path]:
     """(model, tokenizer, checkpoint dir) of a speculative draft model: one rank, the CPU kernels as the
     engine's own model gets them."""
@@ -72,7 +83,9 @@ def load_draft_model(
     from structgen.models.registry import resolve_model
 
     model_dir = resolve_model(name_or_path)
-    model = load_model(model_dir, dtype=dtype, device=device, tp_size=1)
+    model = load_model(
+        model_dir, dtype=dtype, device=device, tp_size=1, pack_cpu_weights_at_start=pack_weights
+    )
     _attach_cpu_kernels(model, name_or_path, quantization=quantization)
     return model, load_tokenizer(model_dir), model_dir
 

@@ -302,6 +302,7 @@ def _proposer(engine: LLMEngine) -> NgramProposer | DraftModelProposer:
             max_model_len=engine.max_model_len,
             num_valid_tokens=engine.runner.num_valid_tokens,
             commit_kv=engine.config.cache.commit_cpu_kv_at_start,
+            pack_weights=engine.config.pack_cpu_weights_at_start,
         )
     return NgramProposer(
         max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min, tokenizer=engine.tokenizer

@@ -127,8 +127,11 @@ def load_model(
     device: torch.device | str = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
+    pack_cpu_weights_at_start: bool = True,
 ) -> nn.Module:
-    """Build the model a checkpoint directory describes and load its weights, in eval mode.
+    """Build the model a checkpoint directory describes and load its weights, in eval mode. On the CPU its
+    linear layers get oneDNN's packed products (`prepare_cpu_linears`), reordered now or, with
+    `pack_cpu_weights_at_start` False, at each layer's first product on them.
 
     Raises `ModelLoadError` (or `UnsupportedArchitectureError`) naming what is wrong: a path that is not a
     directory, a missing config.json, an unknown architecture, a missing shard, or a tensor whose name or
@@ -152,7 +155,7 @@ def load_model(
     if torch.device(device).type == "cpu":
         from structgen.models.cpu_linear import prepare_cpu_linears
 
-        prepare_cpu_linears(model)
+        prepare_cpu_linears(model, lazy=not pack_cpu_weights_at_start)
     return model.eval()
 
 

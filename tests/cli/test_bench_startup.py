@@ -39,9 +39,10 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
     code = (
         "import sys\nimport structgen.structured.validate\n"
         "state = ['rfc3987_syntax.syntax_helpers' in sys.modules, 'torch' in sys.modules]\n"
-        "import os\nimport structgen.models.gguf as g\nfrom structgen.config import CacheConfig\n"
+        "import os\nimport structgen.models.gguf as g\nfrom structgen.config import CacheConfig, EngineConfig\n"
         "print(*state, g.open_gguf.__module__, os.environ.get('STRUCTGEN_PACKED_CACHE'),\n"
-        "      CacheConfig(commit_cpu_kv_at_start=False).commit_cpu_kv_at_start)\n"
+        "      CacheConfig(commit_cpu_kv_at_start=False).commit_cpu_kv_at_start,\n"
+        "      EngineConfig(pack_cpu_weights_at_start=False).pack_cpu_weights_at_start)\n"
     )
 
     def state(off: set[str]) -> str:
@@ -50,10 +51,8 @@ def test_the_off_preambles_put_the_previous_start_up_back() -> None:
         )
         return done.stdout.strip()
 
-    assert (
-        state({"exports", "iri", "gguf", "packed", "lazy-kv"}) == "True True structgen.bench.startup 0 True"
-    )
-    assert state(set()).endswith("None False")
+    assert state(set(startup.OFF_PARTS)) == "True True structgen.bench.startup 0 True True"
+    assert state(set()).endswith("None False False")
 
 
 def test_the_gguf_package_reader_reads_what_structgen_reads(tmp_path: Path) -> None:

@@ -160,3 +160,4 @@ def test_a_one_shot_generate_commits_its_kv_cache_as_it_fills(monkeypatch: pytes
     monkeypatch.setattr(llm_engine, "LLMEngine", recording)
     assert main(["generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "2"]) == 0
     assert [c.cache.commit_cpu_kv_at_start for c in configs] == [False]  # type: ignore[attr-defined]
+    assert [c.pack_cpu_weights_at_start for c in configs] == [False]  # type: ignore[attr-defined]
