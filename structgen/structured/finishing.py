@@ -156,11 +156,19 @@ class Finisher:
         self.scanner.feed(self.tokens.text(token_ids))
 
     def advance(
-        self, grammar: Grammar, token_id: int, *, left: int | None, jump_forward: bool, taken: bool = False
+        self,
+        grammar: Grammar,
+        token_id: int,
+        *,
+        left: int | None,
+        jump_forward: bool,
+        taken: bool = False,
+        forced: list[int] | None = None,
     ) -> Advance:
         """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
         take after it (None: no limit to close against); `taken`: the grammar has accepted it already (the
-        sampler's check took it). Accepts what it returns into the grammar."""
+        sampler's check took it), and `forced`, if not None, are the tokens it forces after it, found then.
+        Accepts what it returns into the grammar."""
         closer = self.closer if left is not None else None
         before = self.scanner.copy() if closer is not None else None  # the state to fall back to
         start = self.scanner.offset
@@ -170,7 +178,7 @@ class Finisher:
         else:
             self._accept(grammar, appended)
         if jump_forward:
-            appended += self._forced(grammar)
+            appended += self._forced(grammar, known=forced if taken else None)
         if self.guard is not None:
             room = None if left is None else left - (len(appended) - 1)
             ended, output_ends = self.guard.step(grammar, self.scanner, appended, start, room=room)
@@ -212,8 +220,8 @@ class Finisher:
             raise GrammarRejectedTokenError(f"the grammar rejected tokens {token_ids} it had allowed")
         self.entered(token_ids)
 
-    def _forced(self, grammar: Grammar) -> list[int]:
-        forced = grammar.find_jump_forward()
+    def _forced(self, grammar: Grammar, *, known: list[int] | None = None) -> list[int]:
+        forced = known if known is not None else grammar.find_jump_forward()
         if forced:
             self._accept(grammar, forced)
         return forced

@@ -50,8 +50,11 @@ class StructuredRequest:
         self.finisher = _finisher(manager, params, self.spec)
         self.pick_hints = PickHints.private()  # the compile's shared one replaces it in `start`
         # A sampled token the grammar took already this step, when the sampler's check of the pick took it
-        # (`take_checked`); `advance` then does not feed it again.
+        # (`take_checked`), and the tokens the grammar forces after it (with jump-forward on), found then;
+        # `advance` then does not ask the grammar for either again.
         self.checked_token: int | None = None
+        self.checked_forced: list[int] | None = None
+        self._jump_forward = manager.config.jump_forward
 
     @property
     def position(self) -> int | None:
@@ -141,19 +144,21 @@ class StructuredRequest:
         """Check a sampled pick against the grammar and, where allowed, take it at once (`checked_token`), so the
         pick's `advance` does not call the grammar again. Its first call in a step reads the grammar's state
         from memory (~6-10 µs after the model's forward has gone through the caches, against ~1 µs hot): one
-        call, not a check then an accept, saves one of those a row. The caller guarantees the pick is appended
-        or `untake_checked` is called before anything else reads the grammar (a mask fill)."""
+        call, not a check then an accept, saves one of those a row; the forced tokens after it are found here
+        too, while the state is in the caches. The caller guarantees the pick is appended or `untake_checked`
+        is called before anything else reads the grammar (a mask fill)."""
         grammar = self.start()
         self.untake_checked()
         if not grammar.accept_tokens((token_id,)):
             return False
         self.checked_token = token_id
+        self.checked_forced = grammar.find_jump_forward() if self._jump_forward else None
         return True
 
     def untake_checked(self) -> None:
         """Put back a pick taken by `take_checked` that will not be appended (its row is filled and drawn again)."""
         if self.checked_token is not None:
-            self.checked_token = None
+            self.checked_token, self.checked_forced = None, None
             assert self.grammar is not None
             self.grammar.rollback(1)
 
@@ -174,13 +179,16 @@ class StructuredRequest:
         taken = self.checked_token == token_id
         if not taken:
             self.untake_checked()  # (another token is appended: the check's is put back first)
-        self.checked_token = None
+        forced = self.checked_forced if taken else None
+        self.checked_token, self.checked_forced = None, None
         if self.finisher is None:
             if not taken:
                 self.accept([token_id])
-            return Advance(True, self.jump_forward() if jump_forward else [])
+            return Advance(True, self.jump_forward(known=forced) if jump_forward else [])
         grammar = self.start()
-        step = self.finisher.advance(grammar, token_id, left=left, jump_forward=jump_forward, taken=taken)
+        step = self.finisher.advance(
+            grammar, token_id, left=left, jump_forward=jump_forward, taken=taken, forced=forced
+        )
         self.num_forced_tokens += len(step.tokens)
         return step
 
@@ -193,10 +201,11 @@ class StructuredRequest:
         if self.finisher is not None:
             self.finisher.closed_at_budget = False
 
-    def jump_forward(self) -> list[int]:
-        """Forced tokens, already accepted by the grammar: append them to the sequence without sampling."""
+    def jump_forward(self, *, known: list[int] | None = None) -> list[int]:
+        """Forced tokens, already accepted by the grammar: append them to the sequence without sampling.
+        `known`: the grammar's forced tokens, found already in this state (`take_checked`)."""
         grammar = self.start()
-        forced = grammar.find_jump_forward()
+        forced = known if known is not None else grammar.find_jump_forward()
         if forced:
             self.accept(forced)
             self.num_forced_tokens += len(forced)
@@ -232,7 +241,7 @@ class StructuredRequest:
         if self.grammar is None:
             raise StructuredOutputError("restart before start")
         self.retries += 1
-        self.checked_token = None
+        self.checked_token, self.checked_forced = None, None
         self.grammar.reset()
         self.validation = None
         if self.finisher is not None:

@@ -353,9 +353,11 @@ def test_a_deferred_rows_check_takes_an_allowed_pick_into_its_grammar_once(manag
     assert request.checked_token is None  # a rejected pick leaves the grammar as it was
     assert mask.allows([0], torch.tensor([brace])) == [True]
     assert request.checked_token == brace and request.grammar.validate_tokens([brace]) == 0  # taken
+    forced = request.checked_forced  # found with the pick, while the grammar's state is in the caches
     step = request.advance(brace, left=100)
     twin_step = twin.advance(brace, left=100)
-    assert request.checked_token is None
+    assert request.checked_token is None and request.checked_forced is None
+    assert forced and step.tokens[: len(forced)] == forced  # `{` forces `"a":"` (or its first tokens)
     assert step.tokens == twin_step.tokens  # the grammar took the pick once: where it stands is the twin's
     assert torch.equal(
         allowed_tokens(request.grammar, info.vocab_size), allowed_tokens(twin.grammar, info.vocab_size)
@@ -453,3 +455,20 @@ def test_a_fill_that_raises_in_place_fails_where_its_result_is_read(manager, mon
     processor.prepare(seqs)  # does not raise here, as a fill on the mask thread would not
     with pytest.raises(RuntimeError, match="fill bug"):
         processor(torch.zeros(1, 8), seqs)
+
+
+def test_a_check_finds_no_forced_tokens_with_jump_forward_off(info, backends, encode) -> None:
+    from structgen.structured import StructuredOutputConfig
+
+    manager = StructuredOutputManager(
+        info, StructuredOutputConfig(jump_forward=False), backends={"llguidance": backends["llguidance"]}
+    )
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+        request = _started(manager, schema)
+        mask = _deferred_step(manager, info, request)
+        assert mask.allows([0], torch.tensor(encode("{")[:1])) == [True]
+        assert request.checked_token is not None and request.checked_forced is None
+        assert request.advance(request.checked_token, left=100, jump_forward=False).tokens == []
+    finally:
+        manager.shutdown()
