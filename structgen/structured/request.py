@@ -55,6 +55,8 @@ class StructuredRequest:
         self.checked_token: int | None = None
         self.checked_forced: list[int] | None = None
         self._jump_forward = manager.config.jump_forward
+        # The engine's last report of this request and what it was made from (`output_processor._report`).
+        self.last_report: tuple[tuple[Any, ...], Any] | None = None
 
     @property
     def position(self) -> int | None:
@@ -132,6 +134,7 @@ class StructuredRequest:
     def fork(self) -> StructuredRequest:
         """An independent copy for a sibling sample (n > 1): same compiled spec, its own grammar state."""
         child = copy.copy(self)
+        child.last_report = None
         if self.grammar is not None:
             child.grammar = self.grammar.clone()
         if self.finisher is not None:
