@@ -167,7 +167,7 @@ class Finisher:
     ) -> Advance:
         """`token_id` was sampled (and is allowed by the grammar); `left`: the tokens the sequence may still
         take after it (None: no limit to close against); `taken`: the grammar has accepted it already (the
-        sampler's check took it), and `forced`, if not None, are the tokens it forces after it, found then.
+        sampler's check took it); `forced`, if not None: the tokens it forces after it, found by that check.
         Accepts what it returns into the grammar."""
         closer = self.closer if left is not None else None
         before = self.scanner.copy() if closer is not None else None  # the state to fall back to
@@ -178,7 +178,7 @@ class Finisher:
         else:
             self._accept(grammar, appended)
         if jump_forward:
-            appended += self._forced(grammar, known=forced if taken else None)
+            appended += self._forced(grammar, known=forced)
         if self.guard is not None:
             room = None if left is None else left - (len(appended) - 1)
             ended, output_ends = self.guard.step(grammar, self.scanner, appended, start, room=room)

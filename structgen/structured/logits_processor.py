@@ -254,9 +254,9 @@ class StructuredLogitsProcessor:
         step; its request fails after the step, like a failed fill ahead. A row whose check took a pick puts it
         back first (the sampler is drawing the row again: its batch is retried without a dead row)."""
         for row in rows:
-            request = getattr(seqs[row], "structured", None)
-            if request is not None and request.checked_token is not None:
-                request.untake_checked()
+            untake = getattr(getattr(seqs[row], "structured", None), "untake_checked", None)
+            if untake is not None:
+                untake()
         for row, error in self.manager.fill_bitmask([(grammars[row], row) for row in rows], self._bitmask):
             self._bitmask[row].fill_(-1)
             self._failures.append((seqs[row], error))
