@@ -16,8 +16,9 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from structgen.engine import reasoning_output
-from structgen.engine.outputs import CompletionOutput, RequestOutput, StructuredReport, TokenLogprob
+from structgen.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from structgen.engine.sequence import Request, Sequence, SequenceStatus
+from structgen.engine.structured_report import structured_report
 from structgen.structured.errors import StructuredOutputError
 from structgen.tokenizer import IncrementalDetokenizer, StopChecker
 from structgen.tokenizer.reasoning import ReasoningPhase
@@ -300,7 +301,7 @@ class OutputProcessor:
                     delta_token_ids=seq.output_token_ids[seq.num_sent_tokens :],
                     error=seq.error,
                     error_code=seq.error_code,
-                    structured=_report(seq) if seq.structured is not None else None,
+                    structured=structured_report(seq) if seq.structured is not None else None,
                 )
             )
             seq.num_sent_chars = len(text)
@@ -357,53 +358,6 @@ def _held(seq: Sequence) -> CompletionOutput:
         index=seq.index,
         text=seq.output_text[: seq.num_sent_chars],
         token_ids=list(seq.output_token_ids[: seq.num_sent_tokens]),
-    )
-
-
-def _report(seq: Sequence) -> StructuredReport:
-    """The sequence's `StructuredReport`: the one its last output carried while nothing in it has changed (a
-    streamed request gets an output every step, and building one costs ~5-10 µs a row)."""
-    structured = seq.structured
-    finisher = structured.finisher
-    key = (
-        seq.status,
-        seq.error,
-        structured.compiled is not None,
-        structured.num_forced_tokens,
-        structured.retries,
-        structured.validation,
-        structured.closed_at_budget,
-        finisher.loops_ended if finisher is not None else 0,
-    )
-    cached = structured.last_report
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    report = _new_report(seq)
-    structured.last_report = (key, report)
-    return report
-
-
-def _new_report(seq: Sequence) -> StructuredReport:
-    info = seq.structured.report()
-    complete = seq.status is SequenceStatus.FINISHED_STOPPED or (
-        seq.status is SequenceStatus.FINISHED_ERROR and info["valid"] is not None
-    )
-    error = info["error"]
-    if seq.status is SequenceStatus.FINISHED_LENGTH:
-        error = "max_tokens reached before the output was complete"
-    elif seq.error is not None:
-        error = seq.error
-    return StructuredReport(
-        backend=info["backend"],
-        path=info["path"],
-        valid=info["valid"] if seq.status.is_finished else None,
-        complete=complete,
-        error=error,
-        retries=info["retries"],
-        forced_tokens=info["forced_tokens"],
-        changes=info["changes"],
-        closed_at_budget=info["closed_at_budget"],
-        loops_ended=info["loops_ended"],
     )
 
 

@@ -55,7 +55,7 @@ class StructuredRequest:
         self.checked_token: int | None = None
         self.checked_forced: list[int] | None = None
         self._jump_forward = manager.config.jump_forward
-        # The engine's last report of this request and what it was made from (`output_processor._report`).
+        # The engine's last report of this request and what it was made from (`engine.structured_report`).
         self.last_report: tuple[tuple[Any, ...], Any] | None = None
 
     @property

@@ -3,7 +3,6 @@ errors, jump-forward, validation reports, and real schemas on the default SmolLM
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import threading
@@ -12,7 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from engine_helpers import EngineFactory, run_all, wait_for_grammars
+from engine_helpers import EngineFactory, run_all
 from shared_data import DATA
 
 from structgen.engine.llm import LLM
@@ -190,31 +189,6 @@ def test_jump_forward_saves_forwards(make_engine: EngineFactory) -> None:
     assert with_jf.num_jump_forward_tokens > 20 and without.num_jump_forward_tokens == 0
     assert with_jf.num_steps * 2 < without.num_steps
     assert all(o.structured.forced_tokens > 0 for o in results[True][1])
-
-
-def test_a_streamed_request_gets_a_new_report_only_when_it_changes(make_engine: EngineFactory) -> None:
-    engine = make_engine()
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "maxItems": 3}},
-        "required": ["name", "tags"],
-        "additionalProperties": False,
-    }
-    engine.add_request("s", "Record:", _structured(json=schema, max_tokens=60, seed=1), stream=True)
-    wait_for_grammars(engine)
-    reports = []
-    while engine.has_unfinished():
-        reports += [o.outputs[0].structured for o in engine.step() if o.request_id == "s"]
-    assert len(reports) > 3 and all(r is not None for r in reports)
-    final = reports[-1]
-    assert final.valid is True and final.complete and final.forced_tokens > 0
-    assert all(r.valid is None and not r.complete for r in reports[:-1])
-    for before, after in itertools.pairwise(reports):
-        if after is not final and after.forced_tokens == before.forced_tokens:
-            assert after is before  # nothing in it changed: the same object
-        else:
-            assert after is not before and after.forced_tokens >= before.forced_tokens
-    assert len({id(r) for r in reports}) < len(reports)
 
 
 def test_n_greater_than_one_forks_the_grammar(make_engine: EngineFactory) -> None:
