@@ -1,4 +1,5 @@
-"""The `StructuredReport` a structured sequence's outputs carry (`structgen.engine.structured_report`)."""
+"""The `StructuredReport` a structured sequence's outputs carry (`structgen.engine.structured_report`; named apart from
+tests/server/test_structured_report.py, which pytest would otherwise import as the same module)."""
 
 from __future__ import annotations
 
